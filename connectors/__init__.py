@@ -1,0 +1,1 @@
+"""Everything that talks to an outside engine or learner backend."""

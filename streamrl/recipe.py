@@ -1,0 +1,299 @@
+"""Recipes: YAML files decoded into typed msgspec Structs, with `key.sub=value` overrides.
+
+    streamrl check recipes/quickstart.yaml rollout.n_samples=4
+
+Every problem is reported as `FILE:LINE: key.path: what is wrong` and raises RecipeError
+(the CLI exits with code 2) before any work starts. Extension points are dotted function
+paths `pkg.module:function`, imported and checked at load time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+from streamrl.types import ConsumptionPolicy, PartialRolloutPolicy
+
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+Prob = Annotated[float, msgspec.Meta(gt=0, le=1)]
+FnPath = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+
+
+class RecipeError(Exception):
+    """A recipe problem the user must fix; the message names the file, line and key path."""
+
+
+class _Cfg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class FnRef(_Cfg):
+    """A user function and the keyword arguments it is called with."""
+
+    fn: FnPath
+    args: dict[str, Any] = {}
+
+
+class RunCfg(_Cfg):
+    name: str = "run"
+    dir: str | None = None  # default runs/<name>
+    seed: int = 0
+    mode: Literal["stream", "lockstep", "one_step_off"] = "stream"
+    steps: PosInt = 20
+    checkpoint_every: NonNegInt = 10
+
+
+class ModelCfg(_Cfg):
+    path: str
+    tokenizer: str | None = None  # default: the model directory
+
+
+class DataCfg(_Cfg):
+    path: str
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    shuffle: bool = True
+    seed: int = 0
+    epochs: PosInt = 1
+
+
+class RolloutCfg(_Cfg):
+    n_samples: PosInt = 8  # responses per prompt (group size)
+    groups_per_step: PosInt = 4  # groups the learner consumes per step
+    max_new_tokens: PosInt = 32
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    top_p: Prob = 1.0
+    top_k: int = -1
+    max_concurrency: PosInt = 64
+    fn: FnPath | None = None  # custom rollout function; default generates through the router
+
+
+class StalenessCfg(_Cfg):
+    max_staleness: NonNegInt = 1  # eta; 0 = on-policy
+    policy: ConsumptionPolicy = "drop"
+    partial_rollout: PartialRolloutPolicy = "abort_resume"
+
+
+class PoolCfg(_Cfg):
+    uri: str | None = None  # default <run dir>/pool; any LanceDB URI
+    commit_max_rows: PosInt = 8192
+    commit_linger_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    compact_every: NonNegInt = 64  # compact once this many fragments accumulate; 0 = never
+
+
+class LearnerCfg(_Cfg):
+    lr: PosFloat = 1e-5
+    micro_batch_size: PosInt = 8
+    grad_clip: PosFloat = 1.0
+
+
+class EnginesCfg(_Cfg):
+    num: PosInt = 1
+    backend: Literal["embedded", "sglang"] = "embedded"
+    host: str = "127.0.0.1"
+    router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
+
+
+class Recipe(_Cfg):
+    model: ModelCfg
+    data: DataCfg
+    run: RunCfg = msgspec.field(default_factory=RunCfg)
+    rollout: RolloutCfg = msgspec.field(default_factory=RolloutCfg)
+    staleness: StalenessCfg = msgspec.field(default_factory=StalenessCfg)
+    reward: FnRef = msgspec.field(default_factory=lambda: FnRef(fn="streamrl.rewards:exact_match"))
+    filters: list[FnRef] = []
+    producers: list[FnRef] = []
+    pool: PoolCfg = msgspec.field(default_factory=PoolCfg)
+    learner: LearnerCfg = msgspec.field(default_factory=LearnerCfg)
+    engines: EnginesCfg = msgspec.field(default_factory=EnginesCfg)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+    @property
+    def pool_uri(self) -> str:
+        return self.pool.uri or str(self.run_dir / "pool")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _line_index(text: str) -> dict[str, int]:
+    """Key path ("a.b[0].c") -> 1-based line of that key in the YAML text."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, path: str) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                sub = f"{path}.{k.value}" if path else str(k.value)
+                lines[sub] = k.start_mark.line + 1
+                walk(v, sub)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, f"{path}[{i}]")
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, str]:
+    """Set `a.b.c=value` (value parsed as YAML) in place; returns key path -> override text."""
+    origin: dict[str, str] = {}
+    for ov in overrides:
+        key, sep, raw = ov.partition("=")
+        if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.(\w+))*", key):
+            raise RecipeError(f"override {ov!r}: expected key.sub=value, e.g. rollout.n_samples=4")
+        node: Any = data
+        parts = key.split(".")
+        path = ""
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise RecipeError(f"override {ov!r}: {path} has no item {part}")
+                path += f"[{part}]"
+                if last:
+                    node[int(part)] = _parse_value(raw)
+                else:
+                    node = node[int(part)]
+                continue
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {ov!r}: {path} is a value, not a section")
+            path = f"{path}.{part}" if path else part
+            if last:
+                node[part] = _parse_value(raw)
+            else:
+                node = node.setdefault(part, {})
+        origin[path] = ov
+    return origin
+
+
+_ERR_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def _explain(err: msgspec.ValidationError, where: str, lines: dict[str, int], origin: dict[str, str]) -> str:
+    m = _ERR_PATH.match(str(err))
+    msg, path = m.group("msg"), (m.group("path") or "").lstrip(".")
+    field = re.search(r"(?:unknown|missing required) field `([^`]+)`", msg)
+    if field:
+        path = f"{path}.{field.group(1)}" if path else field.group(1)
+        msg = msg.replace("Object contains unknown field", "unknown key").replace(
+            "Object missing required field", "missing required key")
+        if "unknown key" in msg:
+            msg += " (check the spelling; `streamrl check` prints every valid key with its default)"
+    elif "matching regex" in msg:
+        msg = "must be a dotted function path like `mypkg.rewards:score`"
+    elif msg.startswith("Invalid enum value"):
+        msg += f"; choose one of {', '.join(map(repr, _choices(path)))}"
+    return f"{_locate(where, path, lines, origin)}: {path or '<top level>'}: {msg}"
+
+
+def _choices(path: str) -> tuple[Any, ...]:
+    """The allowed values of the Literal field at `path` in the Recipe schema."""
+    typ: Any = Recipe
+    for part in re.sub(r"\[\d+\]", "", path).split("."):
+        hints = typing.get_type_hints(typ, include_extras=True) if isinstance(typ, type) else {}
+        typ = hints.get(part)
+        while typing.get_origin(typ) in (list, typing.Annotated, types.UnionType, typing.Union):
+            typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
+
+
+def _locate(where: str, path: str, lines: dict[str, int], origin: dict[str, str]) -> str:
+    for p, ov in origin.items():
+        if path == p or path.startswith(p + ".") or path.startswith(p + "["):
+            return f"override {ov!r}"
+    probe = path
+    while probe and probe not in lines:  # the nearest enclosing key that is in the file
+        probe = re.sub(r"(^|\.)[^.\[]+$|\[\d+\]$", "", probe)
+    return f"{where}:{lines.get(probe, 1)}"
+
+
+def resolve_fn(path: str) -> Any:
+    """Import `pkg.module:function` and return the callable (raises ValueError saying why not)."""
+    mod_name, _, attr = path.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to see
+        raise ValueError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e})") from e
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        raise ValueError(f"module {mod_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"{path} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _fn_paths(obj: Any, path: str = "") -> list[tuple[str, str]]:
+    """(key path, dotted function path) for every function reference in a decoded recipe."""
+    found: list[tuple[str, str]] = []
+    if isinstance(obj, msgspec.Struct):
+        for name in obj.__struct_fields__:
+            val = getattr(obj, name)
+            sub = f"{path}.{name}" if path else name
+            if name == "fn" and isinstance(val, str):
+                found.append((sub, val))
+            else:
+                found.extend(_fn_paths(val, sub))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found.extend(_fn_paths(v, f"{path}[{i}]"))
+    return found
+
+
+def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None = None) -> Recipe:
+    try:
+        data = yaml.safe_load(text)
+        lines = _line_index(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise RecipeError(f"{where}{line}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}:1: a recipe is a mapping of sections (model:, data:, ...), got {type(data).__name__}")
+    origin = apply_overrides(data, list(overrides or []))
+    try:
+        recipe = msgspec.convert(data, Recipe)
+    except msgspec.ValidationError as e:
+        raise RecipeError(_explain(e, where, lines, origin)) from None
+    for key, fn in _fn_paths(recipe):
+        try:
+            resolve_fn(fn)
+        except ValueError as e:
+            raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {e}") from None
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise RecipeError(f"{p}: cannot read recipe ({e.strerror or e})") from None
+    return parse_recipe(text, str(p), overrides)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(msgspec.to_builtins(recipe), sort_keys=False)

@@ -1,0 +1,51 @@
+"""Staleness rules: rollout-side admission control and learner-side consumption policy.
+
+Pure functions (no Ray, HTTP or clock) shared by the runtime, the pool and the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from streamrl.types import ConsumptionPolicy, VersionSpan
+
+Decision = Literal["take", "drop", "mask"]
+
+
+def admission_capacity(learner_version: int, max_staleness: int, groups_per_step: int) -> int:
+    """How many groups may have been started by the time the learner is at `learner_version`.
+
+    Groups are consumed `groups_per_step` at a time, so a group started while this holds is
+    consumed at most `max_staleness` versions after the one it was started under."""
+    return (learner_version + max_staleness + 1) * groups_per_step
+
+
+def may_start(started_groups: int, learner_version: int, max_staleness: int, groups_per_step: int) -> bool:
+    """True while one more group may start (counting it, `started_groups + 1` stays within capacity)."""
+    return started_groups + 1 <= admission_capacity(learner_version, max_staleness, groups_per_step)
+
+
+def staleness(learner_version: int, min_token_version: int) -> int:
+    return learner_version - min_token_version
+
+
+def decide(learner_version: int, min_token_version: int, max_staleness: int, policy: ConsumptionPolicy) -> Decision:
+    """What the learner does with a group: `take` it as is, `drop` it, or take it with stale
+    tokens masked. `keep` takes over-bound groups whole (the learner reweights them)."""
+    if staleness(learner_version, min_token_version) <= max_staleness or policy == "keep":
+        return "take"
+    return "drop" if policy == "drop" else "mask"
+
+
+def stale_token_mask(spans: Sequence[VersionSpan], learner_version: int, max_staleness: int) -> np.ndarray:
+    """1 for tokens within the bound, 0 for tokens older than it."""
+    n = spans[-1].end if spans else 0
+    keep = np.ones(n, np.uint8)
+    oldest_ok = learner_version - max_staleness
+    for sp in spans:
+        if sp.version < oldest_ok:
+            keep[sp.start : sp.end] = 0
+    return keep
