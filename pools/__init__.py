@@ -1,0 +1,26 @@
+"""Experience-pool implementations (LanceDB first), inspection, export."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("RUST_LOG", "error")  # Lance logs expected events (new table) as WARN
+
+
+from pools.base import ExperiencePool, PoolError
+from pools.lance_pool import LancePool
+
+__all__ = ["ExperiencePool", "LancePool", "PoolError", "open_pool", "resolve_pool_uri"]
+
+
+def resolve_pool_uri(run_dir_or_uri: str) -> str:
+    """A run directory means its pool/ subdirectory; anything else is taken as a LanceDB URI."""
+    p = Path(run_dir_or_uri)
+    if "://" not in run_dir_or_uri and (p / "pool").is_dir():
+        return str(p / "pool")
+    return run_dir_or_uri
+
+
+def open_pool(run_dir_or_uri: str, *, create: bool = False, **kwargs: object) -> LancePool:
+    return LancePool(resolve_pool_uri(run_dir_or_uri), create=create, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,372 @@
+"""The LanceDB experience pool: two tables (`pool`, `admissions`) under one LanceDB URI.
+
+Writes go through one committer thread per pool object: concurrent `append`/`admit`/
+`save_partial` calls from many threads or asyncio tasks are gathered into one Lance commit
+(a commit costs 5-20 ms here whatever its size), and each call returns once its rows are
+committed. Claims update the `status` column in one commit, so a batch is all-or-nothing.
+Only the learner (the claimer) compacts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lancedb
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pools.base import PoolError
+from pools.schema import (
+    ADMISSIONS_SCHEMA,
+    META_COLUMNS,
+    POOL_SCHEMA,
+    admissions_to_table,
+    groups_to_table,
+    table_to_groups,
+)
+from streamrl import staleness
+from streamrl.ledger import compute_ledger
+from streamrl.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup, now_ns
+
+POOL_TABLE, ADMISSIONS_TABLE = "pool", "admissions"
+_CONFLICT_RETRIES = 20
+
+
+def _quote(values: Sequence[str]) -> str:
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
+
+
+def _retry_conflicts(fn: Any) -> Any:
+    """Run a Lance write, retrying when a concurrent commit (another process, compaction) wins."""
+    for attempt in range(_CONFLICT_RETRIES):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - Lance raises plain errors for conflicts
+            if "onflict" not in str(e) or attempt == _CONFLICT_RETRIES - 1:
+                raise
+            time.sleep(0.005 * (attempt + 1))
+
+
+class _Item:
+    __slots__ = ("kind", "payload", "rows", "future")
+
+    def __init__(self, kind: str, payload: list[Any], rows: int) -> None:
+        self.kind, self.payload, self.rows = kind, payload, rows
+        self.future: cf.Future[None] = cf.Future()
+
+
+class LancePool:
+    """ExperiencePool on LanceDB. `uri` is a directory (RUN_DIR/pool) or any LanceDB URI."""
+
+    def __init__(
+        self,
+        uri: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        run_id: str = "",
+        commit_max_rows: int = 8192,
+        commit_linger_ms: float = 2.0,
+        compact_every: int = 64,
+    ) -> None:
+        self.uri = str(uri)
+        self.run_id = run_id
+        self.commit_max_rows = commit_max_rows
+        self.commit_linger_s = commit_linger_ms / 1000
+        self.compact_every = compact_every
+        self.commits = 0  # Lance commits made by this object's committer (group-commit metric)
+        self._partial_ids: set[str] = set()
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._compacting: threading.Thread | None = None
+        self._closed = False
+        if "://" not in self.uri and not create and not Path(self.uri).is_dir():
+            raise PoolError(f"no experience pool at {self.uri}: the directory does not exist "
+                            "(pass a run directory or its pool/ subdirectory)")
+        try:
+            self._db = lancedb.connect(self.uri, read_consistency_interval=timedelta(0))
+            if create:
+                self._pool = self._create(POOL_TABLE, POOL_SCHEMA)
+                self._adm = self._create(ADMISSIONS_TABLE, ADMISSIONS_SCHEMA)
+            else:
+                self._pool = self._db.open_table(POOL_TABLE)
+                self._adm = self._db.open_table(ADMISSIONS_TABLE)
+                self._pool.count_rows()  # touch the data so damage shows here, not mid-query
+                self._adm.count_rows()
+        except PoolError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise PoolError(self._explain_open_error(e)) from None
+        names = set(self._pool.schema.names)
+        if names != set(POOL_SCHEMA.names):
+            raise PoolError(f"{self.uri}: table 'pool' has columns {sorted(names ^ set(POOL_SCHEMA.names))} "
+                            "that differ from this StreamRL version's schema (pools/schema.py)")
+
+    def _create(self, name: str, schema: pa.Schema) -> Any:
+        try:
+            return self._db.create_table(name, schema=schema, exist_ok=True)
+        except Exception:  # noqa: BLE001 - another process created it first
+            return self._db.open_table(name)
+
+    def _explain_open_error(self, e: Exception) -> str:
+        msg = str(e).splitlines()[0][:300]
+        if "not found" in msg.lower() or "was not found" in msg.lower() or "does not exist" in msg.lower():
+            return (f"{self.uri} is not an experience pool (no '{POOL_TABLE}' and '{ADMISSIONS_TABLE}' "
+                    f"tables): {msg}")
+        return (f"experience pool at {self.uri} is unreadable ({type(e).__name__}: {msg}); its manifest "
+                "or data files are damaged or were written by an incompatible Lance version")
+
+    # ------------------------------------------------------------ writes
+
+    def admit(self, admissions: Sequence[Admission]) -> None:
+        self._submit("admit", list(admissions), len(admissions)).result()
+
+    def append(self, groups: Sequence[SampleGroup], *, admit: bool = False) -> None:
+        """Store finished groups. `admit=True` also records their admission (for producers that
+        do not admit separately); admissions commit before the rows, so a crash in between
+        leaves the groups in flight, never unadmitted."""
+        for fut in self._submit_groups("append", groups, admit):
+            fut.result()
+
+    async def append_async(self, groups: Sequence[SampleGroup], *, admit: bool = False) -> None:
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in self._submit_groups("append", groups, admit)))
+
+    def save_partial(self, groups: Sequence[SampleGroup]) -> None:
+        for g in groups:
+            g.status = "partial"
+        self._submit_groups("partial", groups, False)[-1].result()
+
+    def _submit_groups(self, kind: str, groups: Sequence[SampleGroup], admit: bool) -> list[cf.Future[None]]:
+        t = now_ns()
+        for g in groups:
+            if not g.created_at:
+                g.created_at = t
+        futs = []
+        if admit:
+            futs.append(self._submit("admit", [
+                Admission(group_id=g.group_id, prompt_id=g.prompt_id, n=len(g.samples),
+                          producer_id=g.producer_id, version=g.min_version or 0, admitted_at=t)
+                for g in groups], len(groups)))
+        futs.append(self._submit(kind, list(groups), sum(len(g.samples) for g in groups)))
+        return futs
+
+    def _submit(self, kind: str, payload: list[Any], rows: int) -> cf.Future[None]:
+        item = _Item(kind, payload, rows)
+        with self._lock:
+            if self._closed:
+                raise PoolError(f"pool {self.uri} is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._commit_loop, name="pool-committer", daemon=True)
+                self._thread.start()
+            self._queue.put(item)
+        return item.future
+
+    def _commit_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, rows, stop = [first], first.rows, False
+            deadline = time.monotonic() + self.commit_linger_s
+            while rows < self.commit_max_rows:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+                rows += item.rows
+            try:
+                self._flush(batch)
+            except Exception as e:  # noqa: BLE001 - every waiting caller sees the failure
+                for it in batch:
+                    it.future.set_exception(e)
+            else:
+                for it in batch:
+                    it.future.set_result(None)
+            if stop:
+                return
+
+    def _flush(self, batch: list[_Item]) -> None:
+        admissions = [a for it in batch if it.kind == "admit" for a in it.payload]
+        latest: dict[str, tuple[str, SampleGroup]] = {}  # group_id -> last write wins
+        for it in batch:
+            if it.kind != "admit":
+                for g in it.payload:
+                    latest[g.group_id] = (it.kind, g)
+        plain, upsert = [], []
+        for gid, (kind, g) in latest.items():
+            (upsert if kind == "partial" or gid in self._partial_ids else plain).append(g)
+        if admissions:
+            _retry_conflicts(lambda: self._adm.add(admissions_to_table(admissions)))
+            self.commits += 1
+        if plain:
+            table = groups_to_table(plain, self.run_id)
+            _retry_conflicts(lambda: self._pool.add(table))
+            self.commits += 1
+        if upsert:
+            table = groups_to_table(upsert, self.run_id)
+            _retry_conflicts(lambda: self._pool.merge_insert("uid").when_matched_update_all()
+                             .when_not_matched_insert_all().execute(table))
+            self.commits += 1
+            for g in upsert:
+                if g.status == "partial":
+                    self._partial_ids.add(g.group_id)
+                else:
+                    self._partial_ids.discard(g.group_id)
+
+    # ------------------------------------------------------------ reads
+
+    def scan(self, columns: list[str] | None = None, where: str | None = None, table: str = POOL_TABLE) -> pa.Table:
+        tbl = self._pool if table == POOL_TABLE else self._adm
+        q = tbl.search()
+        if where:
+            q = q.where(where)
+        if columns:
+            q = q.select(columns)
+        return q.limit(None).to_arrow()
+
+    def partial_groups(self, producer_id: str | None = None) -> list[SampleGroup]:
+        where = "status = 'partial'"
+        if producer_id is not None:
+            where += f" AND producer_id = {_quote([producer_id])}"
+        groups = table_to_groups(self.scan(where=where))
+        self._partial_ids.update(g.group_id for g in groups)
+        return groups
+
+    def groups(self, group_ids: Sequence[str]) -> list[SampleGroup]:
+        if not group_ids:
+            return []
+        return table_to_groups(self.scan(where=f"group_id IN ({_quote(group_ids)})"))
+
+    def ledger(self) -> Ledger:
+        # Rows before admissions: a group admitted and stored between the two reads then
+        # shows as admitted-and-in-flight (true a moment ago), never as unadmitted.
+        rows = self.scan(["group_id", "sample_index", "status"])
+        adm = self.scan(["group_id", "n"], table=ADMISSIONS_TABLE)
+        return compute_ledger(adm, rows)
+
+    def count_rows(self) -> int:
+        return self._pool.count_rows()
+
+    # ------------------------------------------------------------ learner side
+
+    def claim(
+        self,
+        step: int,
+        learner_version: int,
+        num_groups: int,
+        max_staleness: int,
+        policy: ConsumptionPolicy = "drop",
+    ) -> Batch | None:
+        cand = self.scan(["group_id", "created_ns", "min_version"], where="status = 'complete'")
+        firsts = cand.group_by("group_id").aggregate([("created_ns", "min"), ("min_version", "min")])
+        order = pc.sort_indices(firsts, [("created_ns_min", "ascending"), ("group_id", "ascending")])
+        firsts = firsts.take(order)
+        take, mask, drop = [], set(), []
+        for gid, minv in zip(firsts["group_id"].to_pylist(), firsts["min_version_min"].to_pylist()):
+            if len(take) == num_groups:
+                break
+            decision = staleness.decide(learner_version, minv if minv is not None else learner_version,
+                                        max_staleness, policy)
+            if decision == "drop":
+                drop.append(gid)
+            else:
+                take.append(gid)
+                if decision == "mask":
+                    mask.add(gid)
+        t = now_ns()
+        if drop:
+            _retry_conflicts(lambda: self._pool.update(
+                where=f"status = 'complete' AND group_id IN ({_quote(drop)})",
+                values={"status": "dropped", "drop_reason": "stale", "claimed_ns": t,
+                        "consumed_version": learner_version}))
+        self.maybe_compact()
+        if len(take) < num_groups:
+            return None
+        rows = self.scan(where=f"group_id IN ({_quote(take)})")
+        _retry_conflicts(lambda: self._pool.update(
+            where=f"status = 'complete' AND group_id IN ({_quote(take)})",
+            values={"status": "consumed", "consumed_step": step, "consumed_version": learner_version,
+                    "claimed_ns": t}))
+        by_id = {g.group_id: g for g in table_to_groups(rows)}
+        groups, masked = [], 0
+        for gid in take:
+            g = by_id[gid]
+            g.status, g.consumed_step, g.consumed_version = "consumed", step, learner_version
+            if gid in mask:
+                for s in g.samples:
+                    keep = staleness.stale_token_mask(s.spans, learner_version, max_staleness)
+                    masked += int(((s.loss_mask == 1) & (keep == 0)).sum())
+                    s.loss_mask = s.loss_mask * keep
+            groups.append(g)
+        return Batch(step=step, learner_version=learner_version, groups=groups, dropped=drop, masked_tokens=masked)
+
+    def compact(self) -> None:
+        """Merge small fragments, drop versions older than 10 minutes, and keep the scalar
+        indices that make claims fast up to date."""
+        from lancedb.index import BTree, Bitmap
+
+        for tbl, indexed in ((self._pool, {"group_id": BTree(), "status": Bitmap(), "uid": BTree()}),
+                             (self._adm, {"group_id": BTree()})):
+            if tbl.count_rows() == 0:
+                continue
+            have = {c for idx in tbl.list_indices() for c in idx.columns}
+            for col, cfg in indexed.items():
+                if col not in have:
+                    _retry_conflicts(lambda: tbl.create_index(col, config=cfg))
+            _retry_conflicts(lambda: tbl.optimize(cleanup_older_than=timedelta(minutes=10)))
+
+    def fragments(self) -> int:
+        return len(self._pool.to_lance().get_fragments())
+
+    def maybe_compact(self) -> bool:
+        """Start a background compaction when `compact_every` fragments have accumulated."""
+        if not self.compact_every or (self._compacting and self._compacting.is_alive()):
+            return False
+        if self.fragments() < self.compact_every:
+            return False
+        self._compacting = threading.Thread(target=self.compact, name="pool-compact", daemon=True)
+        self._compacting.start()
+        return True
+
+    # ------------------------------------------------------------ misc
+
+    @property
+    def tokenizer(self) -> str | None:
+        return (self._pool.to_lance().schema.metadata or {}).get(b"streamrl.tokenizer", b"").decode() or None
+
+    def set_tokenizer(self, path: str) -> None:
+        """Record the tokenizer (a directory or tokenizer.json) so `pool show` can decode text."""
+        ds = self._pool.to_lance()
+        _retry_conflicts(lambda: ds.update_schema_metadata({"streamrl.tokenizer": str(path)}))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
+        if self._compacting is not None:
+            self._compacting.join()
+
+    def __enter__(self) -> LancePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

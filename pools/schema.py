@@ -1,0 +1,227 @@
+"""The experience pool's Arrow schema, in one place, and conversion to and from SampleGroups.
+
+One row per sample; group columns are repeated on each row of the group.
+
+| column            | type                                   | meaning |
+|-------------------|----------------------------------------|---------|
+| uid               | string                                 | `<group_id>/<sample_index>`, unique per row |
+| run_id            | string                                 | run that owns the pool |
+| group_id          | string                                 | admitted prompt instance (GRPO group) |
+| prompt_id         | string                                 | dataset prompt id |
+| sample_index      | int32                                  | 0..n_samples-1 within the group |
+| n_samples         | int32                                  | group size n |
+| status            | string                                 | partial, complete, consumed, dropped, failed (whole group) |
+| producer_id       | string                                 | rollout worker or external producer that wrote it |
+| prompt_tokens     | list<int32>                            | prompt token ids |
+| response_tokens   | list<int32>                            | response token ids |
+| loss_mask         | list<uint8>                            | 1 = trained on (model tokens), 0 = not (tool output, padding) |
+| rollout_logprobs  | list<float32>                          | log-prob of each response token under the version that sampled it |
+| version_spans     | list<struct<version, start, end>>      | run-length policy versions of response tokens, [start, end) |
+| min_version       | int32 (null: no tokens yet)            | oldest version of any token in the group (group staleness) |
+| max_version       | int32 (null: no tokens yet)            | newest version of any token in the group |
+| num_tokens        | int32                                  | response length |
+| reward            | float32 (null: not scored)             | scalar reward used for advantages |
+| rewards_json      | string                                 | raw reward components, JSON object |
+| finish_reason     | string                                 | stop, length, abort, or empty while in flight |
+| failed            | bool                                   | this sample failed (reward error, engine error); see `error` |
+| error             | string (null)                          | why the sample failed |
+| drop_reason       | string (null)                          | why the group was dropped (filter name, `stale`) |
+| created_ns        | int64                                  | when the group was written, ns since the Unix epoch |
+| claimed_ns        | int64 (null)                           | when a learner step claimed the group |
+| consumed_step     | int32 (null)                           | learner step that trained on the group |
+| consumed_version  | int32 (null)                           | learner version at that step (staleness = consumed_version - min_version) |
+| metadata_json     | string                                 | sample metadata, JSON object |
+| group_metadata_json | string                               | group metadata, JSON object |
+
+The `admissions` table (one row per admitted prompt instance) feeds the ledger:
+group_id, prompt_id, n (int32), producer_id, version (int32), admitted_ns (int64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from streamrl.types import Admission, Sample, SampleGroup, VersionSpan
+
+SPAN_TYPE = pa.struct([("version", pa.int32()), ("start", pa.int32()), ("end", pa.int32())])
+
+POOL_SCHEMA = pa.schema(
+    [
+        ("uid", pa.string()),
+        ("run_id", pa.string()),
+        ("group_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("sample_index", pa.int32()),
+        ("n_samples", pa.int32()),
+        ("status", pa.string()),
+        ("producer_id", pa.string()),
+        ("prompt_tokens", pa.list_(pa.int32())),
+        ("response_tokens", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("rollout_logprobs", pa.list_(pa.float32())),
+        ("version_spans", pa.list_(SPAN_TYPE)),
+        ("min_version", pa.int32()),
+        ("max_version", pa.int32()),
+        ("num_tokens", pa.int32()),
+        ("reward", pa.float32()),
+        ("rewards_json", pa.string()),
+        ("finish_reason", pa.string()),
+        ("failed", pa.bool_()),
+        ("error", pa.string()),
+        ("drop_reason", pa.string()),
+        ("created_ns", pa.int64()),
+        ("claimed_ns", pa.int64()),
+        ("consumed_step", pa.int32()),
+        ("consumed_version", pa.int32()),
+        ("metadata_json", pa.string()),
+        ("group_metadata_json", pa.string()),
+    ]
+)
+
+ADMISSIONS_SCHEMA = pa.schema(
+    [
+        ("group_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("n", pa.int32()),
+        ("producer_id", pa.string()),
+        ("version", pa.int32()),
+        ("admitted_ns", pa.int64()),
+    ]
+)
+
+# Columns that are small enough to scan for bookkeeping (claims, ledger, stats).
+META_COLUMNS = [f.name for f in POOL_SCHEMA if not pa.types.is_list(f.type)]
+
+_json = msgspec.json.Encoder()
+
+
+def _lists(arrays: Sequence[np.ndarray], value_type: pa.DataType, np_dtype: type) -> pa.ListArray:
+    lens = np.fromiter((len(a) for a in arrays), np.int32, len(arrays))
+    offsets = np.zeros(len(arrays) + 1, np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    flat = np.concatenate(arrays).astype(np_dtype, copy=False) if arrays else np.empty(0, np_dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
+
+
+def groups_to_table(groups: Sequence[SampleGroup], run_id: str = "") -> pa.Table:
+    rows = [(g, s) for g in groups for s in g.samples]
+    spans_flat = [sp for _, s in rows for sp in s.spans]
+    span_lens = np.fromiter((len(s.spans) for _, s in rows), np.int32, len(rows))
+    span_offsets = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum(span_lens, out=span_offsets[1:])
+    span_values = pa.StructArray.from_arrays(
+        [pa.array([getattr(sp, f) for sp in spans_flat], pa.int32()) for f in ("version", "start", "end")],
+        fields=list(SPAN_TYPE),
+    )
+    gmin = {g.group_id: g.min_version for g in groups}
+    gmax = {g.group_id: g.max_version for g in groups}
+    gmeta = {g.group_id: _json.encode(g.metadata).decode() for g in groups}
+    cols = {
+        "uid": [f"{g.group_id}/{s.index}" for g, s in rows],
+        "run_id": [run_id] * len(rows),
+        "group_id": [g.group_id for g, _ in rows],
+        "prompt_id": [g.prompt_id for g, _ in rows],
+        "sample_index": pa.array([s.index for _, s in rows], pa.int32()),
+        "n_samples": pa.array([len(g.samples) for g, _ in rows], pa.int32()),
+        "status": [g.status for g, _ in rows],
+        "producer_id": [g.producer_id for g, _ in rows],
+        "prompt_tokens": _lists([g.prompt_tokens for g, _ in rows], pa.int32(), np.int32),
+        "response_tokens": _lists([s.response_tokens for _, s in rows], pa.int32(), np.int32),
+        "loss_mask": _lists([s.loss_mask for _, s in rows], pa.uint8(), np.uint8),
+        "rollout_logprobs": _lists([s.rollout_logprobs for _, s in rows], pa.float32(), np.float32),
+        "version_spans": pa.ListArray.from_arrays(pa.array(span_offsets), span_values),
+        "min_version": pa.array([gmin[g.group_id] for g, _ in rows], pa.int32()),
+        "max_version": pa.array([gmax[g.group_id] for g, _ in rows], pa.int32()),
+        "num_tokens": pa.array([s.num_tokens for _, s in rows], pa.int32()),
+        "reward": pa.array([s.reward for _, s in rows], pa.float32()),
+        "rewards_json": [_json.encode(s.rewards).decode() for _, s in rows],
+        "finish_reason": [s.finish_reason for _, s in rows],
+        "failed": pa.array([s.failed for _, s in rows], pa.bool_()),
+        "error": pa.array([s.error for _, s in rows], pa.string()),
+        "drop_reason": pa.array([g.drop_reason for g, _ in rows], pa.string()),
+        "created_ns": pa.array([g.created_at for g, _ in rows], pa.int64()),
+        "claimed_ns": pa.nulls(len(rows), pa.int64()),
+        "consumed_step": pa.array([g.consumed_step for g, _ in rows], pa.int32()),
+        "consumed_version": pa.array([g.consumed_version for g, _ in rows], pa.int32()),
+        "metadata_json": [_json.encode(s.metadata).decode() for _, s in rows],
+        "group_metadata_json": [gmeta[g.group_id] for g, _ in rows],
+    }
+    return pa.Table.from_pydict(cols, schema=POOL_SCHEMA)
+
+
+def _np_lists(col: pa.ChunkedArray | pa.Array) -> list[np.ndarray]:
+    """Zero-copy numpy views of each list in a list column."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(arr))]
+
+
+def table_to_groups(table: pa.Table) -> list[SampleGroup]:
+    """Rows -> SampleGroups, in order of first appearance of each group, samples by index."""
+    n = table.num_rows
+    if n == 0:
+        return []
+    py = {c: table[c].to_pylist() for c in (
+        "group_id", "prompt_id", "sample_index", "status", "producer_id", "reward", "rewards_json",
+        "finish_reason", "failed", "error", "drop_reason", "created_ns", "consumed_step",
+        "consumed_version", "metadata_json", "group_metadata_json")}
+    prompt = _np_lists(table["prompt_tokens"])
+    resp = _np_lists(table["response_tokens"])
+    mask = _np_lists(table["loss_mask"])
+    lps = _np_lists(table["rollout_logprobs"])
+    spans = table["version_spans"].to_pylist()
+    groups: dict[str, SampleGroup] = {}
+    for i in range(n):
+        gid = py["group_id"][i]
+        g = groups.get(gid)
+        if g is None:
+            g = groups[gid] = SampleGroup(
+                group_id=gid,
+                prompt_id=py["prompt_id"][i],
+                prompt_tokens=prompt[i],
+                samples=[],
+                status=py["status"][i],
+                producer_id=py["producer_id"][i],
+                created_at=py["created_ns"][i],
+                drop_reason=py["drop_reason"][i],
+                consumed_step=py["consumed_step"][i],
+                consumed_version=py["consumed_version"][i],
+                metadata=msgspec.json.decode(py["group_metadata_json"][i] or "{}"),
+            )
+        g.samples.append(
+            Sample(
+                index=py["sample_index"][i],
+                response_tokens=resp[i],
+                rollout_logprobs=lps[i],
+                loss_mask=mask[i],
+                spans=[VersionSpan(s["version"], s["start"], s["end"]) for s in spans[i]],
+                reward=py["reward"][i],
+                rewards=msgspec.json.decode(py["rewards_json"][i] or "{}"),
+                finish_reason=py["finish_reason"][i],
+                failed=py["failed"][i],
+                error=py["error"][i],
+                metadata=msgspec.json.decode(py["metadata_json"][i] or "{}"),
+            )
+        )
+    for g in groups.values():
+        g.samples.sort(key=lambda s: s.index)
+    return list(groups.values())
+
+
+def admissions_to_table(admissions: Sequence[Admission]) -> pa.Table:
+    return pa.Table.from_pydict(
+        {
+            "group_id": [a.group_id for a in admissions],
+            "prompt_id": [a.prompt_id for a in admissions],
+            "n": pa.array([a.n for a in admissions], pa.int32()),
+            "producer_id": [a.producer_id for a in admissions],
+            "version": pa.array([a.version for a in admissions], pa.int32()),
+            "admitted_ns": pa.array([a.admitted_at for a in admissions], pa.int64()),
+        },
+        schema=ADMISSIONS_SCHEMA,
+    )
