@@ -237,6 +237,10 @@ class LancePool:
             q = q.select(columns)
         return q.limit(None).to_arrow()
 
+    def reader(self, columns: list[str] | None = None, where: str | None = None) -> pa.RecordBatchReader:
+        """Stream pool rows (one Lance version) without loading them all."""
+        return self._pool.to_lance().scanner(columns=columns, filter=where).to_reader()
+
     def partial_groups(self, producer_id: str | None = None) -> list[SampleGroup]:
         where = "status = 'partial'"
         if producer_id is not None:

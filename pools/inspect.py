@@ -1,0 +1,106 @@
+"""Read-only views of a pool: stats, SQL (DuckDB), one group as text, Parquet export.
+
+The pool is read at one Lance version per table, so all of this works while producers and
+the learner are still writing.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pools.lance_pool import ADMISSIONS_TABLE, LancePool
+from pools.schema import ADMISSIONS_SCHEMA, META_COLUMNS, POOL_SCHEMA
+from streamrl.ledger import compute_ledger
+
+STATS_VERSION = 1
+
+
+def pool_stats(pool: LancePool) -> dict[str, Any]:
+    """Everything `streamrl pool stats --json` prints. Keys are stable; see README
+    ("Inspecting a pool") for their meaning. New keys may be added, none renamed."""
+    meta = pool.scan(META_COLUMNS)
+    adm = pool.scan(["group_id", "n"], table=ADMISSIONS_TABLE)
+    ledger = compute_ledger(adm, meta.select(["group_id", "sample_index", "status"]))
+    con = duckdb.connect()
+    con.register("pool", meta)
+
+    def rows(sql: str) -> list[tuple[Any, ...]]:
+        return con.execute(sql).fetchall()
+
+    (n_rows, n_groups, vmin, vmax, n_tokens) = rows(
+        "SELECT count(*), count(DISTINCT group_id), min(min_version), max(max_version), "
+        "coalesce(sum(num_tokens), 0) FROM pool")[0]
+    by_status = rows("SELECT status, count(*), count(DISTINCT group_id) FROM pool GROUP BY 1 ORDER BY 1")
+    stale = rows("SELECT consumed_version - min_version AS s, count(DISTINCT group_id) FROM pool "
+                 "WHERE status = 'consumed' AND min_version IS NOT NULL GROUP BY 1 ORDER BY 1")
+    reward = rows("SELECT max_version, count(DISTINCT group_id), count(reward), avg(reward) FROM pool "
+                  "WHERE max_version IS NOT NULL AND status <> 'partial' GROUP BY 1 ORDER BY 1")
+    drops = rows("SELECT drop_reason, count(DISTINCT group_id) FROM pool WHERE status = 'dropped' "
+                 "GROUP BY 1 ORDER BY 1")
+    failed_samples = rows("SELECT count(*) FROM pool WHERE failed")[0][0]
+    return {
+        "stats_version": STATS_VERSION,
+        "uri": pool.uri,
+        "rows": n_rows,
+        "groups": n_groups,
+        "response_tokens": int(n_tokens),
+        "failed_samples": failed_samples,
+        "rows_by_status": {s: r for s, r, _ in by_status},
+        "groups_by_status": {s: g for s, _, g in by_status},
+        "versions": {"min": vmin, "max": vmax},
+        "staleness_histogram": {str(s): c for s, c in stale},
+        "reward_by_version": [
+            {"version": v, "groups": g, "scored_samples": n, "mean_reward": None if m is None else round(m, 6)}
+            for v, g, n, m in reward
+        ],
+        "drops_by_reason": {str(r): c for r, c in drops},
+        "ledger": {**msgspec.to_builtins(ledger), "balanced": ledger.balanced},
+    }
+
+
+def _mentioned(sql: str, schema: pa.Schema) -> list[str]:
+    """Columns a query names; all of them for `*`. Token lists are big, so read only what is used."""
+    if "*" in re.sub(r"count\s*\(\s*\*\s*\)", "", sql, flags=re.I):
+        return schema.names
+    words = set(re.findall(r"[A-Za-z_]\w*", sql))
+    return [c for c in schema.names if c in words] or schema.names[:1]
+
+
+def pool_query(pool: LancePool, sql: str) -> pa.Table:
+    """Run DuckDB SQL over the pool (table `pool`) and the ledger's `admissions` table."""
+    con = duckdb.connect()
+    con.register("pool", pool.scan(_mentioned(sql, POOL_SCHEMA)))
+    if re.search(r"\badmissions\b", sql):
+        con.register("admissions", pool.scan(_mentioned(sql, ADMISSIONS_SCHEMA), table=ADMISSIONS_TABLE))
+    return con.sql(sql).to_arrow_table()
+
+
+def load_decoder(path: str | None) -> Any:
+    """A `tokenizers.Tokenizer` from a tokenizer.json or a model directory holding one."""
+    if not path:
+        return None
+    p = Path(path)
+    p = p / "tokenizer.json" if p.is_dir() else p
+    if not p.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(p))
+
+
+def export_parquet(pool: LancePool, out: str, where: str | None = None) -> int:
+    """Stream the selected rows to a Parquet file; returns the row count."""
+    reader = pool.reader(where=where)
+    n = 0
+    with pq.ParquetWriter(out, reader.schema) as w:
+        for batch in reader:
+            w.write_batch(batch)
+            n += batch.num_rows
+    return n

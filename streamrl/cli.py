@@ -1,0 +1,207 @@
+"""`streamrl` command line. Exit codes: 0 ok, 1 unexpected failure, 2 bad input (recipe,
+pool path, query) reported without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+EPILOG = """examples:
+  streamrl check recipes/quickstart.yaml rollout.n_samples=4
+  streamrl demo recipes/quickstart.yaml
+  streamrl pool stats runs/quickstart --json
+  streamrl pool query runs/quickstart "SELECT status, count(*) FROM pool GROUP BY 1"
+  streamrl pool show runs/quickstart <GROUP_ID>
+  streamrl pool export runs/quickstart out.parquet --where "status = 'consumed'"
+"""
+
+
+class UsageError(Exception):
+    """Bad input: printed as `streamrl: error: ...`, exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="streamrl",
+        description="StreamRL: bounded-off-policy streaming RL post-training with a persistent experience pool.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("check", help="validate a recipe and print it with every default filled in",
+                       description="Validate RECIPE (types, ranges, function paths) and print the resolved "
+                                   "recipe. Exit code 2 names the file, line and key of the first problem.")
+    c.add_argument("recipe")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. rollout.n_samples=4 (YAML values)")
+
+    d = sub.add_parser("demo", help="pool demo: simulated producers stream groups, a learner claims them",
+                       description="Runs the experience-pool demo for RECIPE: several producer threads stream "
+                                   "sample groups of a synthetic arithmetic task into RUN_DIR/pool under admission "
+                                   "control, some are interrupted by version bumps and resumed as partial rollouts, "
+                                   "and a learner loop claims batches under the staleness bound. No model is trained.")
+    d.add_argument("recipe")
+    d.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+    pool = sub.add_parser("pool", help="inspect an experience pool (stats, query, show, export)")
+    ps = pool.add_subparsers(dest="pool_cmd", required=True, metavar="ACTION")
+    st = ps.add_parser("stats", help="rows/groups by status, versions, staleness, rewards, ledger",
+                       description="Summarise the pool of RUN_DIR (or a LanceDB URI). --json prints the stable "
+                                   "document described in the README; `ledger.lost` and `ledger.duplicated` must be 0.")
+    st.add_argument("run_dir")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    q = ps.add_parser("query", help="DuckDB SQL over the pool (table `pool`, and `admissions`)",
+                      description="Run SQL over the pool. Only the columns the query names are read, so avoid "
+                                  "SELECT * on big pools. Schema: pools/schema.py.")
+    q.add_argument("run_dir")
+    q.add_argument("sql")
+    fmt = q.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
+    fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
+    sh = ps.add_parser("show", help="one group: decoded text, versions, rewards")
+    sh.add_argument("run_dir")
+    sh.add_argument("group_id")
+    sh.add_argument("--tokenizer", help="tokenizer.json or model dir (default: the one recorded in the pool)")
+    ex = ps.add_parser("export", help="write pool rows to Parquet")
+    ex.add_argument("run_dir")
+    ex.add_argument("out", help="output .parquet path")
+    ex.add_argument("--where", help="Lance SQL filter, e.g. \"status = 'consumed' AND min_version >= 3\"")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from pools.base import PoolError
+    from streamrl.recipe import RecipeError
+
+    try:
+        return _dispatch(args)
+    except (RecipeError, PoolError, UsageError) as e:
+        print(f"streamrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.cmd == "check":
+        from streamrl.recipe import dump_recipe, load_recipe
+
+        print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
+        return 0
+    if args.cmd == "demo":
+        from streamrl.demo import run_demo
+        from streamrl.recipe import load_recipe
+
+        return run_demo(load_recipe(args.recipe, args.overrides))
+    return _pool_cmd(args)
+
+
+def _pool_cmd(args: argparse.Namespace) -> int:
+    from pools import open_pool
+    from pools import inspect as pi
+
+    pool = open_pool(args.run_dir)
+    if args.pool_cmd == "stats":
+        stats = pi.pool_stats(pool)
+        if args.json:
+            print(json.dumps(stats, indent=2))
+        else:
+            _print_stats(stats)
+        return 0 if stats["ledger"]["balanced"] else 3
+    if args.pool_cmd == "query":
+        import duckdb
+
+        try:
+            table = pi.pool_query(pool, args.sql)
+        except duckdb.Error as e:
+            raise UsageError(f"query failed: {str(e).splitlines()[0]} (columns: see pools/schema.py)") from None
+        _print_table(table, "json" if args.json else "csv" if args.csv else "text")
+        return 0
+    if args.pool_cmd == "show":
+        groups = pool.groups([args.group_id])
+        if not groups:
+            raise UsageError(f"no group {args.group_id!r} in {pool.uri} "
+                             "(list some with: streamrl pool query RUN_DIR \"SELECT DISTINCT group_id FROM pool LIMIT 10\")")
+        _print_group(groups[0], pi.load_decoder(args.tokenizer or pool.tokenizer))
+        return 0
+    if args.pool_cmd == "export":
+        try:
+            n = pi.export_parquet(pool, args.out, args.where)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"export failed: {str(e).splitlines()[0]}") from None
+        print(f"wrote {n} rows to {args.out}")
+        return 0
+    raise AssertionError(args.pool_cmd)
+
+
+def _print_table(table: Any, fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps(table.to_pylist(), default=str))
+    elif fmt == "csv":
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(table, sys.stdout.buffer)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(*table.column_names)
+        for row in table.to_pylist():
+            t.add_row(*(_short(row[c]) for c in table.column_names))
+        Console(width=200).print(t)
+        print(f"{table.num_rows} rows")
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    s = str(v)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _print_stats(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=120)
+    led = s["ledger"]
+    con.print(f"[bold]{s['uri']}[/bold]: {s['rows']} rows, {s['groups']} groups, "
+              f"{s['response_tokens']} response tokens, versions {s['versions']['min']}..{s['versions']['max']}")
+    t = Table("state", "groups", "rows", title="by status")
+    for k in ("in_flight", "partial", "complete", "consumed", "dropped", "failed"):
+        t.add_row(k, str(led[k]), str(s["rows_by_status"].get(k, 0)))
+    con.print(t)
+    if s["staleness_histogram"]:
+        con.print("staleness at consumption (groups): " +
+                  ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()))
+    if s["drops_by_reason"]:
+        con.print("drops by reason: " + ", ".join(f"{k}: {v}" for k, v in s["drops_by_reason"].items()))
+    if s["reward_by_version"]:
+        t = Table("version", "groups", "mean reward", title="reward by version")
+        for r in s["reward_by_version"]:
+            t.add_row(str(r["version"]), str(r["groups"]), "-" if r["mean_reward"] is None else f"{r['mean_reward']:.3f}")
+        con.print(t)
+    ok = "[green]balanced[/green]" if led["balanced"] else "[red]NOT balanced[/red]"
+    con.print(f"ledger: admitted {led['admitted']}, lost {led['lost']}, duplicated {led['duplicated']}, "
+              f"unadmitted {led['unadmitted']} -> {ok}")
+
+
+def _print_group(g: Any, tok: Any) -> None:
+    def text(ids: Any) -> str:
+        return tok.decode(ids.tolist(), skip_special_tokens=False) if tok is not None else str(ids.tolist())
+
+    print(f"group {g.group_id}  prompt {g.prompt_id}  status {g.status}  producer {g.producer_id}")
+    print(f"versions {g.min_version}..{g.max_version}  consumed_step {g.consumed_step}  "
+          f"drop_reason {g.drop_reason}")
+    print(f"prompt: {text(g.prompt_tokens)!r}")
+    for s in g.samples:
+        spans = " ".join(f"v{sp.version}[{sp.start}:{sp.end})" for sp in s.spans)
+        err = f"  FAILED: {s.error}" if s.failed else ""
+        print(f"  [{s.index}] reward={s.reward} finish={s.finish_reason or '-'} tokens={s.num_tokens} "
+              f"spans={spans}{err}")
+        print(f"      {text(s.response_tokens)!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
