@@ -1,0 +1,167 @@
+"""The inspection CLI against real pools: stats, query (also while another process writes),
+show, export, bad paths; and the quick-start demo end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pools import LancePool
+from streamrl.cli import main
+from streamrl.demo import build_char_tokenizer
+from streamrl.types import Admission, Sample, SampleGroup, VersionSpan
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _group(gid: str, tok, version: int, rewards: list[float], status: str = "complete") -> SampleGroup:
+    prompt = tok.encode("12+30=").ids
+    resp = tok.encode("42").ids
+    return SampleGroup(
+        group_id=gid, prompt_id="p-" + gid, prompt_tokens=prompt, status=status,
+        samples=[Sample(index=i, response_tokens=resp, rollout_logprobs=[-0.5] * len(resp),
+                        spans=[VersionSpan(version, 0, len(resp))], reward=r, finish_reason="stop")
+                 for i, r in enumerate(rewards)],
+    )
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A run directory whose pool holds 3 consumed, 1 complete and 1 in-flight group."""
+    tok = build_char_tokenizer(tmp_path / "tokenizer.json")
+    with LancePool(tmp_path / "pool") as pool:
+        pool.set_tokenizer(str(tmp_path / "tokenizer.json"))
+        pool.admit([Admission(group_id=f"g{i}", prompt_id=f"p-g{i}", n=2) for i in range(5)])
+        pool.append([_group(f"g{i}", tok, version=i, rewards=[1.0, float(i % 2)]) for i in range(4)])
+        batch = pool.claim(step=0, learner_version=3, num_groups=3, max_staleness=5)
+        assert batch is not None
+    return tmp_path
+
+
+def test_stats_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "stats", str(run_dir), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["rows"] == 8 and s["groups"] == 4
+    assert s["groups_by_status"] == {"complete": 1, "consumed": 3}
+    assert s["versions"] == {"min": 0, "max": 3}
+    assert s["staleness_histogram"] == {"1": 1, "2": 1, "3": 1}  # consumed at learner version 3
+    assert [r["mean_reward"] for r in s["reward_by_version"]] == [0.5, 1.0, 0.5, 1.0]
+    led = s["ledger"]
+    assert (led["admitted"], led["in_flight"], led["consumed"], led["complete"]) == (5, 1, 3, 1)
+    assert led["lost"] == 0 and led["duplicated"] == 0 and led["balanced"] is True
+
+
+def test_stats_text_and_unbalanced_exit_code(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "stats", str(run_dir)]) == 0
+    assert "balanced" in capsys.readouterr().out
+    with LancePool(run_dir / "pool") as pool:
+        pool._pool.delete("group_id = 'g3' AND sample_index = 1")  # a stored group loses a sample
+    assert main(["pool", "stats", str(run_dir), "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["ledger"]["lost"] == 1
+
+
+def test_query_formats(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sql = "SELECT status, count(*) AS n FROM pool GROUP BY 1 ORDER BY 1"
+    assert main(["pool", "query", str(run_dir), sql, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"status": "complete", "n": 2}, {"status": "consumed", "n": 6}]
+    assert main(["pool", "query", str(run_dir), sql, "--csv"]) == 0
+    assert capsys.readouterr().out.splitlines() == ['"status","n"', '"complete",2', '"consumed",6']
+    assert main(["pool", "query", str(run_dir), "SELECT count(*) AS a FROM admissions"]) == 0
+    assert "5" in capsys.readouterr().out
+    assert main(["pool", "query", str(run_dir), "SELECT * FROM pool WHERE consumed_step = 0", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 6 and all(r["consumed_version"] == 3 for r in rows)
+
+
+def test_query_error_is_exit_2(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "query", str(run_dir), "SELECT nosuchcolumn FROM pool"]) == 2
+    assert "nosuchcolumn" in capsys.readouterr().err
+
+
+def test_show_decodes_text(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "show", str(run_dir), "g2"]) == 0
+    out = capsys.readouterr().out
+    assert "'12+30='" in out and "'42'" in out and "v2[0:2)" in out and "status consumed" in out
+    assert main(["pool", "show", str(run_dir), "nope"]) == 2
+
+
+def test_export_where(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.parquet"
+    assert main(["pool", "export", str(run_dir), str(out), "--where", "status = 'complete'"]) == 0
+    t = pq.read_table(out)
+    assert t.num_rows == 2 and set(t["group_id"].to_pylist()) == {"g3"}
+    assert t["response_tokens"].to_pylist()[0] == build_char_tokenizer(tmp_path / "t.json").encode("42").ids
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, cwd=REPO)
+
+
+@pytest.mark.parametrize("damage", ["missing", "not_a_pool", "corrupt"])
+def test_bad_pool_dir_is_a_clear_error(run_dir: Path, tmp_path: Path, damage: str) -> None:
+    if damage == "missing":
+        target = tmp_path / "does-not-exist"
+    elif damage == "not_a_pool":
+        target = tmp_path / "empty"
+        target.mkdir()
+    else:
+        for f in (run_dir / "pool" / "pool.lance" / "_versions").iterdir():
+            f.write_bytes(b"garbage")
+        target = run_dir
+    r = _cli("pool", "stats", str(target))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "streamrl: error:" in r.stderr and str(target) in r.stderr
+
+
+@pytest.mark.slow
+def test_query_while_another_process_writes(tmp_path: Path) -> None:
+    writer = textwrap.dedent(f"""
+        import sys, numpy as np
+        from pools import LancePool
+        from streamrl.types import Sample, SampleGroup, VersionSpan
+        pool = LancePool({str(tmp_path / 'pool')!r})
+        for i in range(400):
+            g = SampleGroup(group_id=f"w{{i}}", prompt_id="p", prompt_tokens=[1, 2],
+                samples=[Sample(index=j, response_tokens=np.arange(50), rollout_logprobs=np.zeros(50),
+                                spans=[VersionSpan(0, 0, 50)]) for j in range(4)])
+            pool.append([g], admit=True)
+            if i == 5:
+                print("ready", flush=True)
+        pool.close()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        counts = []
+        while proc.poll() is None and len(counts) < 6:
+            r = _cli("pool", "query", str(tmp_path), "SELECT count(*) AS n, count(DISTINCT group_id) AS g FROM pool", "--json")
+            assert r.returncode == 0, r.stderr
+            row = json.loads(r.stdout)[0]
+            assert row["n"] == 4 * row["g"]  # whole groups only, never half a commit
+            counts.append(row["n"])
+            time.sleep(0.2)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    assert len(counts) >= 2 and counts[-1] > counts[0] > 0, counts
+    r = _cli("pool", "stats", str(tmp_path), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ledger"]["complete"] == 400
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    r = _cli("demo", "recipes/quickstart.yaml", f"run.dir={tmp_path}", f"data.path={tmp_path}/data.jsonl", "run.steps=6")
+    assert r.returncode == 0, r.stderr[-2000:]
+    with LancePool(tmp_path / "pool", create=False) as pool:
+        led = pool.ledger()
+        assert led.balanced and led.consumed == 6 * 4
+        spans = pool.scan(["version_spans", "status", "consumed_version", "min_version"], where="status = 'consumed'")
+        assert all(cv - mv <= 2 for cv, mv in zip(spans["consumed_version"].to_pylist(), spans["min_version"].to_pylist()))
