@@ -28,6 +28,27 @@ Prob = Annotated[float, msgspec.Meta(gt=0, le=1)]
 FnPath = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 floats (`1e-5` is a number, not a string) and no silently repeated keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for k, _ in node.value:
+            key = self.construct_object(k, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} repeats the one on line {seen[key]}", k.start_mark)
+            seen[key] = k.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+$|^[-+]?\d[\d_]*\.\d*$|^[-+]?\.\d+$"),
+    list("-+0123456789."),
+)
+
+
 class RecipeError(Exception):
     """A recipe problem the user must fix; the message names the file, line and key path."""
 
@@ -143,7 +164,7 @@ def _line_index(text: str) -> dict[str, int]:
             for i, v in enumerate(node.value):
                 walk(v, f"{path}[{i}]")
 
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    root = yaml.compose(text, Loader=_Loader)
     if root is not None:
         walk(root, "")
     return lines
@@ -151,7 +172,7 @@ def _line_index(text: str) -> dict[str, int]:
 
 def _parse_value(raw: str) -> Any:
     try:
-        return yaml.safe_load(raw)
+        return yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError:
         return raw
 
@@ -182,8 +203,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, str
             path = f"{path}.{part}" if path else part
             if last:
                 node[part] = _parse_value(raw)
+            elif part in node:
+                node = node[part]
+            elif parts[i + 1].isdigit():
+                raise RecipeError(f"override {ov!r}: {path} is not a list in the recipe, so it has no item {parts[i + 1]}")
             else:
-                node = node.setdefault(part, {})
+                node[part] = {}
+                node = node[part]
         origin[path] = ov
     return origin
 
@@ -221,7 +247,7 @@ def _choices(path: str) -> tuple[Any, ...]:
 
 def _locate(where: str, path: str, lines: dict[str, int], origin: dict[str, str]) -> str:
     for p, ov in origin.items():
-        if path == p or path.startswith(p + ".") or path.startswith(p + "["):
+        if any(a == b or a.startswith(b + ".") or a.startswith(b + "[") for a, b in ((path, p), (p, path))):
             return f"override {ov!r}"
     probe = path
     while probe and probe not in lines:  # the nearest enclosing key that is in the file
@@ -261,14 +287,25 @@ def _fn_paths(obj: Any, path: str = "") -> list[tuple[str, str]]:
     return found
 
 
+def _yaml_problem(e: yaml.YAMLError, where: str, text: str) -> str:
+    """Locate a YAML error where the broken construct starts (an unclosed quote is reported
+    at the end of the file by the parser, but the user has to look where it opened)."""
+    mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    last = max(1, len(text.splitlines()))
+    line = min(mark.line + 1, last) if mark is not None else 1
+    detail = ""
+    if ctx is not None and getattr(e, "context", None):
+        detail = f" ({e.context} that starts here; the parser gave up on line {line})"
+        line = ctx.line + 1
+    return f"{where}:{line}: not valid YAML: {getattr(e, 'problem', None) or e}{detail}"
+
+
 def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None = None) -> Recipe:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
         lines = _line_index(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise RecipeError(f"{where}{line}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+        raise RecipeError(_yaml_problem(e, where, text)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

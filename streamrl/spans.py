@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamrl.types import VersionSpan
+from streamrl.types import VersionSpan, check_spans
 
 
 def extend(spans: Sequence[VersionSpan], version: int, num_new: int) -> list[VersionSpan]:
@@ -33,6 +33,8 @@ def from_versions(versions: np.ndarray | Sequence[int]) -> list[VersionSpan]:
     v = np.asarray(versions, dtype=np.int64)
     if v.size == 0:
         return []
+    if (np.diff(v) < 0).any():
+        raise ValueError(f"token versions must not decrease: {v.tolist()[:16]}")
     cuts = np.flatnonzero(np.diff(v)) + 1
     starts = np.concatenate([[0], cuts])
     ends = np.concatenate([cuts, [v.size]])
@@ -41,8 +43,7 @@ def from_versions(versions: np.ndarray | Sequence[int]) -> list[VersionSpan]:
 
 def to_versions(spans: Sequence[VersionSpan], num_tokens: int | None = None) -> np.ndarray:
     n = spans[-1].end if spans else 0
-    if num_tokens is not None and num_tokens != n:
-        raise ValueError(f"spans cover {n} tokens, expected {num_tokens}")
+    check_spans(list(spans), n if num_tokens is None else num_tokens, where="to_versions")
     out = np.empty(n, np.int32)
     for sp in spans:
         out[sp.start : sp.end] = sp.version

@@ -57,16 +57,28 @@ def check_spans(spans: list[VersionSpan], num_tokens: int, where: str = "") -> N
         raise ValueError(f"{where}: version spans cover {pos} tokens, the response has {num_tokens}")
 
 
-def _i32(a: Any) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int32).reshape(-1)
+_I32 = np.iinfo(np.int32)
 
 
-def _f32(a: Any) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
-
-
-def _u8(a: Any) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.uint8).reshape(-1)
+def _array(a: Any, dtype: type, name: str) -> np.ndarray:
+    """Coerce to a 1-D array of `dtype`, refusing lossy casts (floats to ints, out-of-range
+    ids, nulls, masks other than 0/1) instead of silently corrupting data."""
+    if isinstance(a, np.ndarray) and a.dtype == dtype:
+        return np.ascontiguousarray(a).reshape(-1)
+    arr = np.asarray(a)
+    if arr.size == 0:
+        return np.empty(0, dtype)
+    kind = arr.dtype.kind
+    if dtype is np.float32:
+        ok = kind in "iuf"
+    elif dtype is np.uint8:
+        ok = kind in "iub" and bool(((arr == 0) | (arr == 1)).all())
+    else:
+        ok = kind in "iu" and arr.min() >= _I32.min and arr.max() <= _I32.max
+    if not ok:
+        want = {np.float32: "numbers", np.uint8: "0/1 values", np.int32: "int32 token ids"}[dtype]
+        raise ValueError(f"{name} must hold {want}, got {np.asarray(a).ravel()[:8].tolist()}")
+    return np.ascontiguousarray(arr, dtype=dtype).reshape(-1)
 
 
 class Sample(msgspec.Struct, kw_only=True):
@@ -85,10 +97,10 @@ class Sample(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
-        self.response_tokens = _i32(self.response_tokens)
-        self.rollout_logprobs = _f32(self.rollout_logprobs)
+        self.response_tokens = _array(self.response_tokens, np.int32, f"sample {self.index}: response_tokens")
+        self.rollout_logprobs = _array(self.rollout_logprobs, np.float32, f"sample {self.index}: rollout_logprobs")
         n = len(self.response_tokens)
-        self.loss_mask = np.ones(n, np.uint8) if self.loss_mask is None else _u8(self.loss_mask)
+        self.loss_mask = np.ones(n, np.uint8) if self.loss_mask is None else _array(self.loss_mask, np.uint8, f"sample {self.index}: loss_mask")
         if len(self.rollout_logprobs) != n or len(self.loss_mask) != n:
             raise ValueError(
                 f"sample {self.index}: {n} response tokens but {len(self.rollout_logprobs)} "
@@ -117,7 +129,7 @@ class SampleGroup(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
-        self.prompt_tokens = _i32(self.prompt_tokens)
+        self.prompt_tokens = _array(self.prompt_tokens, np.int32, "prompt_tokens")
 
     @property
     def min_version(self) -> int | None:
@@ -241,7 +253,7 @@ def _enc_msgpack(obj: Any) -> Any:
 def _ext_hook(code: int, data: memoryview) -> Any:
     dtype = _EXT_DTYPES.get(code)
     if dtype is None:
-        raise ValueError(f"unknown msgpack ext code {code}")
+        raise msgspec.ValidationError(f"unknown msgpack ext code {code} (1=int32, 2=float32, 3=uint8 arrays)")
     return np.frombuffer(data, dtype=dtype)
 
 
@@ -250,8 +262,9 @@ def _dec_array(typ: type, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
             return obj
         if isinstance(obj, list):
-            return np.asarray(obj)
-        raise msgspec.ValidationError(f"expected an array (list of numbers), got {type(obj).__name__}")
+            return np.asarray(obj)  # __post_init__ checks and casts it to the field's dtype
+        # TypeError (not ValidationError) so msgspec adds the field's location to the message
+        raise TypeError(f"expected an array (list of numbers), got {type(obj).__name__}")
     raise NotImplementedError(f"cannot decode {typ}")
 
 
