@@ -10,17 +10,19 @@ Only the learner (the claimer) compacts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures as cf
 import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lancedb
+import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -57,10 +59,13 @@ def _retry_conflicts(fn: Any) -> Any:
 
 
 class _Item:
-    __slots__ = ("kind", "payload", "rows", "future")
+    """One caller's write, already converted to Arrow in the caller's thread, so a group that
+    cannot be encoded fails its own caller and never the commit it would have shared."""
 
-    def __init__(self, kind: str, payload: list[Any], rows: int) -> None:
-        self.kind, self.payload, self.rows = kind, payload, rows
+    __slots__ = ("kind", "table", "future")
+
+    def __init__(self, kind: str, table: pa.Table) -> None:
+        self.kind, self.table = kind, table
         self.future: cf.Future[None] = cf.Future()
 
 
@@ -83,7 +88,6 @@ class LancePool:
         self.commit_linger_s = commit_linger_ms / 1000
         self.compact_every = compact_every
         self.commits = 0  # Lance commits made by this object's committer (group-commit metric)
-        self._partial_ids: set[str] = set()
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -100,8 +104,7 @@ class LancePool:
             else:
                 self._pool = self._db.open_table(POOL_TABLE)
                 self._adm = self._db.open_table(ADMISSIONS_TABLE)
-                self._pool.count_rows()  # touch the data so damage shows here, not mid-query
-                self._adm.count_rows()
+                self._check_files()
         except PoolError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -111,6 +114,22 @@ class LancePool:
             raise PoolError(f"{self.uri}: table 'pool' has columns {sorted(names ^ set(POOL_SCHEMA.names))} "
                             "that differ from this StreamRL version's schema (pools/schema.py)")
 
+    def _check_files(self) -> None:
+        """Every data file the manifests name is there with its recorded size (local pools), so
+        a damaged pool is reported when it is opened rather than halfway through a query."""
+        for tbl in (self._pool, self._adm):
+            ds = tbl.to_lance()
+            if "://" in ds.uri and not ds.uri.startswith("file://"):
+                continue
+            root = Path(ds.uri.removeprefix("file://")) / "data"
+            for frag in ds.get_fragments():
+                for df in frag.data_files():
+                    f = root / df.path
+                    size = getattr(df, "file_size_bytes", None)
+                    if not f.is_file() or (size and f.stat().st_size != size):
+                        raise PoolError(f"experience pool at {self.uri} is damaged: data file {f} is "
+                                        f"{'missing' if not f.is_file() else 'truncated or replaced'}")
+
     def _create(self, name: str, schema: pa.Schema) -> Any:
         try:
             return self._db.create_table(name, schema=schema, exist_ok=True)
@@ -119,7 +138,9 @@ class LancePool:
 
     def _explain_open_error(self, e: Exception) -> str:
         msg = str(e).splitlines()[0][:300]
-        if "not found" in msg.lower() or "was not found" in msg.lower() or "does not exist" in msg.lower():
+        lance_dirs = [Path(self.uri) / f"{t}.lance" for t in (POOL_TABLE, ADMISSIONS_TABLE)]
+        missing = "not found" in msg.lower() or "does not exist" in msg.lower()
+        if missing and not any(d.exists() for d in lance_dirs):
             return (f"{self.uri} is not an experience pool (no '{POOL_TABLE}' and '{ADMISSIONS_TABLE}' "
                     f"tables): {msg}")
         return (f"experience pool at {self.uri} is unreadable ({type(e).__name__}: {msg}); its manifest "
@@ -128,7 +149,7 @@ class LancePool:
     # ------------------------------------------------------------ writes
 
     def admit(self, admissions: Sequence[Admission]) -> None:
-        self._submit("admit", list(admissions), len(admissions)).result()
+        self._submit("admit", admissions_to_table(admissions)).result()
 
     def append(self, groups: Sequence[SampleGroup], *, admit: bool = False) -> None:
         """Store finished groups. `admit=True` also records their admission (for producers that
@@ -141,26 +162,28 @@ class LancePool:
         await asyncio.gather(*(asyncio.wrap_future(f) for f in self._submit_groups("append", groups, admit)))
 
     def save_partial(self, groups: Sequence[SampleGroup]) -> None:
-        for g in groups:
-            g.status = "partial"
+        """Store in-flight groups as `partial` (the caller's objects are not changed). A partial
+        never overwrites a group that has finished meanwhile."""
         self._submit_groups("partial", groups, False)[-1].result()
 
     def _submit_groups(self, kind: str, groups: Sequence[SampleGroup], admit: bool) -> list[cf.Future[None]]:
         t = now_ns()
-        for g in groups:
+        for i, g in enumerate(groups):
             if not g.created_at:
-                g.created_at = t
+                g.created_at = t + i  # keeps the caller's order as the oldest-first order
+        stored = [msgspec.structs.replace(g, status="partial") for g in groups] if kind == "partial" else groups
+        table = groups_to_table(stored, self.run_id)
         futs = []
         if admit:
-            futs.append(self._submit("admit", [
+            futs.append(self._submit("admit", admissions_to_table([
                 Admission(group_id=g.group_id, prompt_id=g.prompt_id, n=len(g.samples),
                           producer_id=g.producer_id, version=g.min_version or 0, admitted_at=t)
-                for g in groups], len(groups)))
-        futs.append(self._submit(kind, list(groups), sum(len(g.samples) for g in groups)))
+                for g in groups])))
+        futs.append(self._submit(kind, table))
         return futs
 
-    def _submit(self, kind: str, payload: list[Any], rows: int) -> cf.Future[None]:
-        item = _Item(kind, payload, rows)
+    def _submit(self, kind: str, table: pa.Table) -> cf.Future[None]:
+        item = _Item(kind, table)
         with self._lock:
             if self._closed:
                 raise PoolError(f"pool {self.uri} is closed")
@@ -175,7 +198,7 @@ class LancePool:
             first = self._queue.get()
             if first is None:
                 return
-            batch, rows, stop = [first], first.rows, False
+            batch, rows, stop = [first], first.table.num_rows, False
             deadline = time.monotonic() + self.commit_linger_s
             while rows < self.commit_max_rows:
                 try:
@@ -186,7 +209,7 @@ class LancePool:
                     stop = True
                     break
                 batch.append(item)
-                rows += item.rows
+                rows += item.table.num_rows
             try:
                 self._flush(batch)
             except Exception as e:  # noqa: BLE001 - every waiting caller sees the failure
@@ -199,32 +222,45 @@ class LancePool:
                 return
 
     def _flush(self, batch: list[_Item]) -> None:
-        admissions = [a for it in batch if it.kind == "admit" for a in it.payload]
-        latest: dict[str, tuple[str, SampleGroup]] = {}  # group_id -> last write wins
-        for it in batch:
-            if it.kind != "admit":
-                for g in it.payload:
-                    latest[g.group_id] = (it.kind, g)
-        plain, upsert = [], []
-        for gid, (kind, g) in latest.items():
-            (upsert if kind == "partial" or gid in self._partial_ids else plain).append(g)
+        admissions = [it.table for it in batch if it.kind == "admit"]
         if admissions:
-            _retry_conflicts(lambda: self._adm.add(admissions_to_table(admissions)))
+            table = pa.concat_tables(admissions)
+            _retry_conflicts(lambda: self._adm.add(table))
             self.commits += 1
-        if plain:
-            table = groups_to_table(plain, self.run_id)
-            _retry_conflicts(lambda: self._pool.add(table))
+        # The last write of a group in this flush wins; earlier ones never reach the disk.
+        seen: set[str] = set()
+        writes: list[tuple[str, pa.Table]] = []
+        for it in reversed([it for it in batch if it.kind != "admit"]):
+            t = it.table
+            if seen:
+                t = t.filter(pc.invert(pc.is_in(t["group_id"], value_set=pa.array(list(seen), pa.string()))))
+            seen.update(t["group_id"].to_pylist())
+            writes.append((it.kind, t))
+        if not writes:
+            return
+        # A finished group replaces the partial stored by any process before it (e.g. before a
+        # restart), so look in the pool, not in this object's memory.
+        stored_partial = pa.array(list(set(self.scan(["group_id"], where="status = 'partial'")["group_id"]
+                                           .to_pylist()) & seen), pa.string())
+        plain, upsert = [], []
+        for kind, t in writes:
+            replaces = pc.is_in(t["group_id"], value_set=stored_partial)
+            if kind == "partial":
+                upsert.append(t)
+            else:
+                plain.append(t.filter(pc.invert(replaces)))
+                upsert.append(t.filter(replaces))
+        plain_t = pa.concat_tables(plain) if plain else None
+        upsert_t = pa.concat_tables(upsert) if upsert else None
+        if plain_t is not None and plain_t.num_rows:
+            _retry_conflicts(lambda: self._pool.add(plain_t))
             self.commits += 1
-        if upsert:
-            table = groups_to_table(upsert, self.run_id)
-            _retry_conflicts(lambda: self._pool.merge_insert("uid").when_matched_update_all()
-                             .when_not_matched_insert_all().execute(table))
+        if upsert_t is not None and upsert_t.num_rows:
+            # Only partial rows are replaced: a late partial of a finished group is ignored.
+            _retry_conflicts(lambda: self._pool.merge_insert("uid")
+                             .when_matched_update_all(where="target.status = 'partial'")
+                             .when_not_matched_insert_all().execute(upsert_t))
             self.commits += 1
-            for g in upsert:
-                if g.status == "partial":
-                    self._partial_ids.add(g.group_id)
-                else:
-                    self._partial_ids.discard(g.group_id)
 
     # ------------------------------------------------------------ reads
 
@@ -235,19 +271,31 @@ class LancePool:
             q = q.where(where)
         if columns:
             q = q.select(columns)
-        return q.limit(None).to_arrow()
+        with self._reading(where):
+            return q.limit(None).to_arrow()
 
     def reader(self, columns: list[str] | None = None, where: str | None = None) -> pa.RecordBatchReader:
         """Stream pool rows (one Lance version) without loading them all."""
-        return self._pool.to_lance().scanner(columns=columns, filter=where).to_reader()
+        with self._reading(where):
+            return self._pool.to_lance().scanner(columns=columns, filter=where).to_reader()
+
+    @contextlib.contextmanager
+    def _reading(self, where: str | None) -> Iterator[None]:
+        """Lance read errors become a ValueError naming the filter (the caller's mistake) or a
+        PoolError (damaged files), never a raw traceback."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).splitlines()[0][:400]
+            if any(k in msg for k in ("Schema error", "No field named", "Invalid user input", "parse")):
+                raise ValueError(f"bad filter {where!r}: {msg}") from None
+            raise PoolError(f"experience pool at {self.uri} is unreadable ({type(e).__name__}: {msg})") from None
 
     def partial_groups(self, producer_id: str | None = None) -> list[SampleGroup]:
         where = "status = 'partial'"
         if producer_id is not None:
             where += f" AND producer_id = {_quote([producer_id])}"
-        groups = table_to_groups(self.scan(where=where))
-        self._partial_ids.update(g.group_id for g in groups)
-        return groups
+        return table_to_groups(self.scan(where=where))
 
     def groups(self, group_ids: Sequence[str]) -> list[SampleGroup]:
         if not group_ids:
@@ -274,8 +322,15 @@ class LancePool:
         max_staleness: int,
         policy: ConsumptionPolicy = "drop",
     ) -> Batch | None:
-        cand = self.scan(["group_id", "created_ns", "min_version"], where="status = 'complete'")
-        firsts = cand.group_by("group_id").aggregate([("created_ns", "min"), ("min_version", "min")])
+        cand = self.scan(["group_id", "created_ns", "min_version", "n_samples", "sample_index"],
+                         where="status = 'complete'")
+        firsts = cand.group_by("group_id").aggregate(
+            [("created_ns", "min"), ("min_version", "min"), ("n_samples", "max"), ("sample_index", "count_distinct"),
+             ("sample_index", "count")])
+        # Whole groups only: a group missing rows is `lost` in the ledger, never trained on.
+        whole = pc.and_(pc.equal(firsts["sample_index_count_distinct"], firsts["n_samples_max"]),
+                        pc.equal(firsts["sample_index_count"], firsts["n_samples_max"]))
+        firsts = firsts.filter(whole)
         order = pc.sort_indices(firsts, [("created_ns_min", "ascending"), ("group_id", "ascending")])
         firsts = firsts.take(order)
         take, mask, drop = [], set(), []
