@@ -1,0 +1,281 @@
+"""The embedded engine's scheduler: continuous batching over a transformers causal LM.
+
+Requests join and leave between decode steps. Each running request keeps its own KV cache
+(per layer, [1, kv_heads, length, head_dim]); a decode step left-pads them into one batch,
+runs one token through the model for everyone, and slices each request's cache back out.
+No HTTP, no asyncio: the server (connectors/engine_server.py) drives it from a thread.
+
+Log-probs follow SGLang: log_softmax(logits / temperature) of the sampled token (the raw
+logits when temperature is 0, i.e. greedy); top-p/top-k shape sampling, not the log-prob.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_new_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    on_done: Callable[[GenRequest], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[list[Any]] = field(default_factory=list)  # [version, start, end] of output tokens
+    finish: dict[str, Any] | None = None
+    kv: KV | None = None
+    generator: torch.Generator | None = None
+    retractions: int = 0
+
+    def record(self, token: int, logprob: float, version: str) -> None:
+        n = len(self.output_ids)
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if self.spans and self.spans[-1][0] == version:
+            self.spans[-1][2] = n + 1
+        else:
+            self.spans.append([version, n, n + 1])
+
+
+class EngineCore:
+    """Thread-safe: public methods may be called from any thread; `run()` owns the model."""
+
+    def __init__(self, model_dir: str | Path, max_running: int = 64, max_context: int | None = None,
+                 weight_version: str = "0", seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = str(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        cfg = self.model.config
+        self.eos_ids = frozenset([cfg.eos_token_id] if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id or [])
+        self.max_context = max_context or cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+        self.max_running = max_running
+        self.weight_version = weight_version
+        self.seed = seed
+        self._waiting: deque[GenRequest] = deque()
+        self._running: list[GenRequest] = []
+        self._paused: str | None = None  # None, or the pause mode
+        self._cond = threading.Condition()
+        self._stop = False
+        self._control: deque[tuple[Callable[[], Any], Any]] = deque()
+        self.steps = 0  # decode steps run, for metrics and tests
+        self.max_batch_seen = 0
+
+    # ------------------------------------------------------------ public (any thread)
+
+    def submit(self, req: GenRequest) -> None:
+        if req.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(req.sampling_seed)
+        with self._cond:
+            self._waiting.append(req)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps and return its result (blocking)."""
+        import concurrent.futures as cf
+
+        fut: cf.Future[Any] = cf.Future()
+        with self._cond:
+            self._control.append((fn, fut))
+            self._cond.notify_all()
+        return fut.result()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    # ------------------------------------------------------------ control (engine thread via call)
+
+    def abort(self, rid: str | None = None) -> int:
+        """Finish matching requests now with what they have; returns how many."""
+        hit = [r for r in [*self._running, *self._waiting] if rid is None or r.rid == rid]
+        for r in hit:
+            self._finish(r, {"type": "abort", "message": "Abort before prefill" if not r.output_ids
+                             and r.kv is None else "Abort in generation"})
+        return len(hit)
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort()
+        elif mode == "retract":  # drop KV; they are recomputed from prompt + output on continue
+            for r in self._running:
+                r.kv = None
+                r.retractions += 1
+            self._waiting.extendleft(reversed(self._running))
+            self._running = []
+        elif mode != "in_place":
+            raise ValueError(f"mode must be abort, retract or in_place, got {mode!r}")
+        self._paused = mode
+
+    def resume(self) -> None:
+        self._paused = None
+
+    @property
+    def paused(self) -> str | None:
+        return self._paused
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], version: str | None) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"unknown weight names: {sorted(unexpected)[:5]}")
+        if version is not None:
+            self.weight_version = version
+
+    def load_from_disk(self, model_path: str, version: str | None) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {model_path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        if "lm_head.weight" not in state and getattr(self.model.config, "tie_word_embeddings", False):
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        self.load_state_dict(state, version)
+        self.model_dir = model_path
+
+    # ------------------------------------------------------------ the loop (engine thread)
+
+    def run(self) -> None:
+        torch.manual_seed(self.seed)
+        while True:
+            with self._cond:
+                while not self._stop and not self._control and (
+                        self._paused or (not self._waiting and not self._running)):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                controls = list(self._control)
+                self._control.clear()
+            for fn, fut in controls:
+                try:
+                    fut.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - the caller sees it
+                    fut.set_exception(e)
+            if self._paused:
+                continue
+            self._admit()
+            if self._running:
+                self._decode()
+        self.abort()
+
+    def _admit(self) -> None:
+        with self._cond:
+            joining = []
+            while self._waiting and len(self._running) + len(joining) < self.max_running:
+                joining.append(self._waiting.popleft())
+        for r in joining:
+            self._prefill(r)
+
+    @torch.inference_mode()
+    def _prefill(self, r: GenRequest) -> None:
+        """Run prompt (+ any output kept from before a retract or resume) and sample one token."""
+        ids = r.input_ids + r.output_ids
+        out = self.model(input_ids=torch.tensor([ids]), use_cache=True)
+        r.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        self._sample_and_record([r], out.logits[:, -1, :])
+        if r.finish is None:
+            self._running.append(r)
+
+    @torch.inference_mode()
+    def _decode(self) -> None:
+        from transformers import DynamicCache
+
+        batch = list(self._running)  # _finish removes from _running while we iterate
+        lens = [r.kv[0][0].shape[2] for r in batch]  # type: ignore[index]
+        lmax = max(lens)
+        n_layers = len(batch[0].kv)  # type: ignore[arg-type]
+        cache = []
+        for li in range(n_layers):
+            ks, vs = [], []
+            for r, n in zip(batch, lens):
+                k, v = r.kv[li]  # type: ignore[index]
+                pad = lmax - n
+                ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
+                vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
+            cache.append((torch.cat(ks), torch.cat(vs)))
+        mask = torch.zeros(len(batch), lmax + 1, dtype=torch.long)
+        for i, n in enumerate(lens):
+            mask[i, lmax - n:] = 1
+        out = self.model(
+            input_ids=torch.tensor([[r.output_ids[-1]] for r in batch]),
+            attention_mask=mask,
+            position_ids=torch.tensor([[n] for n in lens]),
+            past_key_values=DynamicCache(cache),
+            use_cache=True,
+        )
+        new = out.past_key_values.layers
+        for i, (r, n) in enumerate(zip(batch, lens)):
+            r.kv = [(layer.keys[i: i + 1, :, lmax - n:], layer.values[i: i + 1, :, lmax - n:]) for layer in new]
+        self.steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        self._sample_and_record(batch, out.logits[:, -1, :])
+        self._running = [r for r in batch if r.finish is None]
+
+    def _sample_and_record(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
+        logits = logits.float()
+        for i, r in enumerate(reqs):
+            row = logits[i]
+            if r.temperature == 0:
+                tok = int(torch.argmax(row))
+                lp = torch.log_softmax(row, -1)[tok]
+            else:
+                scaled = row / r.temperature
+                logp = torch.log_softmax(scaled, -1)
+                tok = _sample(scaled, r.top_p, r.top_k, r.generator)
+                lp = logp[tok]
+            r.record(tok, float(lp), self.weight_version)
+            n = len(r.output_ids)
+            total = len(r.input_ids) + n
+            if not r.ignore_eos and n >= r.min_new_tokens and (tok in self.eos_ids or tok in r.stop_token_ids):
+                self._finish(r, {"type": "stop", "matched": tok})
+            elif n >= r.max_new_tokens or total >= self.max_context:
+                self._finish(r, {"type": "length", "length": n})
+
+    def _finish(self, r: GenRequest, reason: dict[str, Any]) -> None:
+        if r.finish is not None:
+            return
+        r.finish, r.kv = reason, None
+        with self._cond:
+            if r in self._waiting:
+                self._waiting.remove(r)
+        if r in self._running:
+            self._running.remove(r)
+        if r.on_done is not None:
+            r.on_done(r)
+
+
+def _sample(scaled: torch.Tensor, top_p: float, top_k: int, gen: torch.Generator | None) -> int:
+    probs = torch.softmax(scaled, -1)
+    if 0 < top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sp, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sp, 0) - sp < top_p * sp.sum()
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], sp[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))

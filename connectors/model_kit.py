@@ -1,0 +1,87 @@
+"""Tiny HF-format models built locally (no download): a Qwen2 causal LM from a config and a
+byte-level BPE tokenizer trained on the synthetic task's text, saved with `save_pretrained`.
+
+The directory loads in transformers (AutoModelForCausalLM / AutoTokenizer), in the embedded
+engine, in mbridge/megatron and, on GPU, in SGLang.
+
+    streamrl model init runs/models/tiny --preset tiny
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.1M parameters: fast enough for every test on 2 CPU cores.
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256),
+    # ~3M parameters: the quick-start's default learner.
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=512),
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus(seed: int) -> list[str]:
+    """Text the tokenizer learns merges from: arithmetic and the words of chats and tools."""
+    rng = random.Random(seed)
+    arith = [f"{rng.randint(0, 999)}{rng.choice('+-*')}{rng.randint(0, 999)}={rng.randint(0, 9999)}"
+             for _ in range(4000)]
+    words = ("system user assistant tool You are a helpful assistant. Answer with the number only. "
+             "The answer is calculator(expression) result: error Question: What is ").split(" ")
+    return arith + [" ".join(rng.choice(words) for _ in range(12)) for _ in range(500)]
+
+
+def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(seed), trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_model(tokenizer: Any, preset: str = "tiny", seed: int = 0) -> Any:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        torch_dtype="float32",
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **PRESETS[preset],
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def init_model_dir(out: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Write a model + tokenizer directory; returns its path."""
+    out = Path(out)
+    tok = build_tokenizer(seed=seed)
+    model = build_model(tok, preset, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out
