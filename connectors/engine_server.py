@@ -1,0 +1,344 @@
+"""The embedded engine's HTTP server: SGLang's native API (and OpenAI chat) over EngineCore.
+
+    streamrl engine serve --model runs/models/tiny --port 30001
+
+Binds 127.0.0.1 unless told otherwise. Bad requests get 4xx with
+`{"error": {"message", "type", "code"}}` and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import torch
+from aiohttp import web
+
+from connectors import sglang_api as api
+from connectors.engine_core import EngineCore, GenRequest
+
+_UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refused, not ignored
+    "stream": False, "lora_path": None, "custom_logit_processor": None, "return_hidden_states": False,
+    "top_logprobs_num": 0, "token_ids_logprob": None, "return_entropy": False, "session_params": None,
+    "background": False, "return_bytes": False,
+}
+_SP_UNSUPPORTED = {"stop": None, "n": 1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                   "repetition_penalty": 1.0}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(status, "InternalServerError")
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+async def _decode(request: web.Request, typ: type) -> Any:
+    body = await request.read()
+    try:
+        return msgspec.json.decode(body or b"{}", type=typ)
+    except msgspec.ValidationError as e:
+        raise HTTPError(400, f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise HTTPError(400, f"body is not valid JSON: {e}") from None
+
+
+class EngineServer:
+    def __init__(self, model_dir: str, max_running: int = 64, weight_version: str = "0", seed: int = 0) -> None:
+        from transformers import AutoTokenizer
+
+        self.core = EngineCore(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_path = model_dir
+        self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
+        self._group: Any = None  # torch.distributed group for weight updates
+        self.app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._errors])
+        r = self.app.router
+        r.add_post("/generate", self.generate)
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_post("/flush_cache", self.flush_cache)
+        r.add_get("/flush_cache", self.flush_cache)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.health)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        r.add_get("/get_load", self.get_load)
+        self.app.on_startup.append(self._start)
+        self.app.on_cleanup.append(self._stop)
+
+    async def _start(self, _: web.Application) -> None:
+        self._thread.start()
+
+    async def _stop(self, _: web.Application) -> None:
+        self.core.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HTTPError as e:
+            return _error(e.status, str(e))
+        except web.HTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to the client, the server lives on
+            return _error(500, f"{type(e).__name__}: {e}")
+
+    async def _control(self, fn: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, self.core.call, fn)
+
+    # ------------------------------------------------------------ generation
+
+    def _make(self, ids: list[int], rid: str, sp: api.SamplingParams) -> GenRequest:
+        if not ids:
+            raise HTTPError(400, "input_ids is empty: send at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.core.vocab_size for t in ids):
+            raise HTTPError(400, f"input_ids must be ints in [0, {self.core.vocab_size}) for this model")
+        max_new = sp.max_new_tokens if sp.max_new_tokens is not None else self.core.max_context - len(ids)
+        if max_new < 0 or len(ids) + max_new > self.core.max_context:
+            raise HTTPError(400, f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the "
+                                 f"model's context length {self.core.max_context}")
+        return GenRequest(
+            rid=rid, input_ids=list(ids), max_new_tokens=max_new, temperature=sp.temperature,
+            top_p=sp.top_p, top_k=sp.top_k, min_new_tokens=sp.min_new_tokens,
+            stop_token_ids=frozenset(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
+            sampling_seed=sp.sampling_seed)
+
+    async def _run(self, req: GenRequest) -> GenRequest:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[GenRequest] = loop.create_future()
+        req.on_done = lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+        self.core.submit(req)
+        try:
+            return await fut
+        except asyncio.CancelledError:  # client went away: free the slot (without blocking the loop)
+            loop.run_in_executor(None, self.core.call, lambda: self.core.abort(req.rid))
+            raise
+
+    def _response(self, r: GenRequest, t0: float, req: api.GenerateReqInput, sp: api.SamplingParams) -> dict[str, Any]:
+        with_text = req.return_text_in_logprobs
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": r.finish,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,
+            "weight_version": r.spans[-1][0] if r.spans else self.core.weight_version,
+            "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in r.spans],
+            "num_retractions": r.retractions,
+            "e2e_latency": time.perf_counter() - t0,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, self.tokenizer.decode([t]) if with_text else None] for lp, t in zip(r.logprobs, r.output_ids)]
+            meta["input_token_logprobs"] = [[None, t, None] for t in r.input_ids]
+        out_ids = r.output_ids
+        if r.finish and r.finish.get("type") == "stop" and not sp.no_stop_trim:
+            text_ids = out_ids[:-1]  # SGLang trims the matched stop token from the text
+        else:
+            text_ids = out_ids
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens)
+        return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    async def generate(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        req: api.GenerateReqInput = await _decode(request, api.GenerateReqInput)
+        for name, default in _UNSUPPORTED.items():
+            if getattr(req, name) != default:
+                raise HTTPError(400, f"{name} is not supported by the embedded engine")
+        sp = req.sampling_params or api.SamplingParams()
+        for name, default in _SP_UNSUPPORTED.items():
+            if getattr(sp, name) != default:
+                raise HTTPError(400, f"sampling_params.{name} is not supported by the embedded engine"
+                                + (" (use stop_token_ids)" if name == "stop" else ""))
+        if req.input_ids is None and req.text is None:
+            raise HTTPError(400, "send input_ids or text")
+        if req.input_ids is not None:
+            batch = req.input_ids and isinstance(req.input_ids[0], list)
+            prompts = req.input_ids if batch else [req.input_ids]
+        else:
+            batch = isinstance(req.text, list)
+            texts = req.text if batch else [req.text]
+            prompts = [self.tokenizer.encode(t) for t in texts]  # type: ignore[union-attr]
+        rids = req.rid if isinstance(req.rid, list) else [req.rid] if req.rid else []
+        if len(rids) not in (0, len(prompts)):
+            raise HTTPError(400, f"{len(rids)} rids for {len(prompts)} prompts")
+        rids = rids or [uuid.uuid4().hex for _ in prompts]
+        gens = [self._make(ids, rid, sp) for ids, rid in zip(prompts, rids)]
+        done = await asyncio.gather(*(self._run(g) for g in gens))
+        outs = [self._response(r, t0, req, sp) for r in done]
+        return web.json_response(outs if batch else outs[0])
+
+    async def chat(self, request: web.Request) -> web.Response:
+        req: api.ChatCompletionReq = await _decode(request, api.ChatCompletionReq)
+        if req.stream or req.n != 1:
+            raise HTTPError(400, "stream and n > 1 are not supported by the embedded engine")
+        msgs = [msgspec.structs.asdict(m) for m in req.messages]
+        ids = self.tokenizer.apply_chat_template([{k: v for k, v in m.items() if v is not None} for m in msgs],
+                                                 add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        sp = api.SamplingParams(max_new_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
+                                top_p=req.top_p, top_k=req.top_k, stop_token_ids=req.stop_token_ids,
+                                sampling_seed=req.seed)
+        r = await self._run(self._make(ids, req.rid or uuid.uuid4().hex, sp))
+        stopped = r.finish is not None and r.finish["type"] == "stop"
+        content_ids = r.output_ids[:-1] if stopped else r.output_ids
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": self.tokenizer.decode(content_ids, skip_special_tokens=True)},
+            "finish_reason": {"stop": "stop", "length": "length"}.get((r.finish or {}).get("type", ""), "abort"),
+        }
+        if req.logprobs:
+            choice["logprobs"] = {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp}
+                                              for t, lp in zip(r.output_ids, r.logprobs)]}
+        return web.json_response({
+            "id": f"chatcmpl-{r.rid}", "object": "chat.completion", "created": int(time.time()),
+            "model": req.model, "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(r.output_ids),
+                      "total_tokens": len(ids) + len(r.output_ids)},
+            # Token-in/token-out for agent environments: exact ids, log-probs and versions.
+            "prompt_token_ids": ids, "output_token_ids": r.output_ids, "output_token_logprobs": r.logprobs,
+            "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in r.spans],
+        })
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_path, "object": "model",
+                                                               "owned_by": "streamrl"}]})
+
+    # ------------------------------------------------------------ control
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        req: api.AbortReq = await _decode(request, api.AbortReq)
+        if not req.abort_all and not req.rid:
+            raise HTTPError(400, "send rid or abort_all: true")
+        n = await self._control(lambda: self.core.abort(None if req.abort_all else req.rid))
+        if n == 0 and not req.abort_all:
+            raise HTTPError(404, f"no running or waiting request with rid {req.rid!r}")
+        return web.json_response({"success": True, "num_aborted": n})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        req: api.PauseReq = await _decode(request, api.PauseReq)
+        await self._control(lambda: self.core.pause(req.mode))
+        return web.json_response({"success": True, "message": f"paused ({req.mode})"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._control(self.core.resume)
+        return web.json_response({"success": True, "message": "continued"})
+
+    async def flush_cache(self, _: web.Request) -> web.Response:
+        if self.core.num_requests:
+            raise HTTPError(400, f"cannot flush the cache while {self.core.num_requests} requests are running")
+        return web.json_response({"success": True, "message": "Cache flushed."})
+
+    async def _update(self, load: Any, abort_all: bool, version: str | None) -> web.Response:
+        def do() -> None:
+            if abort_all:
+                self.core.abort()
+            load()
+            if version is not None:
+                self.core.weight_version = version
+
+        try:
+            await self._control(do)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        req: api.UpdateFromDiskReq = await _decode(request, api.UpdateFromDiskReq)
+        resp = await self._update(lambda: self.core.load_from_disk(req.model_path, None),
+                                  req.abort_all_requests, req.weight_version)
+        if resp.status == 200:
+            self.model_path = req.model_path
+        return resp
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        req: api.InitGroupReq = await _decode(request, api.InitGroupReq)
+        from connectors.weight_sync import join_group
+
+        try:
+            self._group = await asyncio.get_running_loop().run_in_executor(
+                None, join_group, req.master_address, req.master_port, req.rank_offset, req.world_size,
+                req.group_name, req.backend)
+        except Exception as e:  # noqa: BLE001
+            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        req: api.UpdateFromDistributedReq = await _decode(request, api.UpdateFromDistributedReq)
+        if self._group is None:
+            raise HTTPError(400, "call /init_weights_update_group first")
+        if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
+            raise HTTPError(400, "names, dtypes and shapes must have the same length")
+        from connectors.weight_sync import receive
+
+        # Receive outside the engine thread (generation goes on), then swap between steps.
+        state = await asyncio.get_running_loop().run_in_executor(
+            None, receive, self._group, req.names, req.dtypes, req.shapes)
+        return await self._update(lambda: self.core.load_state_dict(state, None), req.abort_all_requests,
+                                  req.weight_version)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        req: api.UpdateWeightVersionReq = await _decode(request, api.UpdateWeightVersionReq)
+        return await self._update(lambda: None, req.abort_all_requests, req.new_version)
+
+    # ------------------------------------------------------------ info
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def model_info(self, _: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": self.core.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": self.core.model.config.model_type, "architectures": self.core.model.config.architectures,
+        })
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "served_model_name": self.model_path,
+            "context_length": self.core.max_context, "max_running_requests": self.core.max_running,
+            "max_total_num_tokens": self.core.max_running * self.core.max_context,
+            "weight_version": self.core.weight_version, "version": "streamrl-embedded",
+            "device": "cpu" if not torch.cuda.is_available() else "cuda",
+            "internal_states": [{"paused": self.core.paused, "num_requests": self.core.num_requests}],
+        })
+
+    async def get_load(self, _: web.Request) -> web.Response:
+        return web.json_response([{"dp_rank": 0, "num_reqs": self.core.num_requests, "num_waiting_reqs": 0}])
+
+
+class _DropRouterProbes(logging.Filter):
+    """sglang-router probes each worker with an HTTP/2 (gRPC) preface; aiohttp logs it as an
+    error. It is expected noise, not a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "PRI/Upgrade" in str(record.exc_info[1]))
+
+
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
+          weight_version: str = "0", seed: int = 0) -> None:
+    logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
+    server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)
+    web.run_app(server.app, host=host, port=port, print=lambda *_: None, access_log=None)

@@ -1,0 +1,218 @@
+"""Async client for SGLang's native HTTP API: real SGLang on GPU, the embedded engine on CPU,
+or the sglang-router in front of either (for /generate and chat).
+
+One aiohttp connection pool per client, a timeout per call, retries on connection errors
+only (a request that reached the server is never sent twice by us).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from connectors import sglang_api as api
+from streamrl.types import VersionSpan
+
+
+class EngineError(Exception):
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"{url} -> {status}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+
+class FinishReason(msgspec.Struct, kw_only=True):
+    type: str
+    length: int | None = None
+    matched: Any = None
+    message: str | None = None
+
+
+class WeightSpan(msgspec.Struct, kw_only=True):
+    version: str
+    start: int
+    end: int
+
+
+class MetaInfo(msgspec.Struct, kw_only=True):
+    id: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    weight_versions: list[WeightSpan] | None = None
+    num_retractions: int = 0
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+
+
+class GenerateResult(msgspec.Struct, kw_only=True):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [lp for lp, _, _ in self.meta_info.output_token_logprobs or []]
+
+    @property
+    def finish_type(self) -> str:
+        return self.meta_info.finish_reason.type if self.meta_info.finish_reason else ""
+
+    def version_spans(self) -> list[VersionSpan]:
+        """Per-token policy versions of the output (the whole output from `weight_version`
+        when the server reports no spans)."""
+        n = len(self.output_ids)
+        spans = self.meta_info.weight_versions
+        if not spans:
+            return [VersionSpan(int(self.meta_info.weight_version or 0), 0, n)] if n else []
+        return [VersionSpan(int(s.version), s.start, s.end) for s in spans]
+
+
+_result = msgspec.json.Decoder(GenerateResult)
+_results = msgspec.json.Decoder(list[GenerateResult])
+
+
+class SGLangClient:
+    def __init__(self, base_url: str, timeout_s: float = 600, connect_retries: int = 5, limit: int = 1024) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.connect_retries = connect_retries
+        self._limit = limit
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._limit),
+                                                  timeout=self.timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def request(self, method: str, path: str, body: Any = None, retries: int | None = None) -> bytes:
+        url = self.base_url + path
+        data = None if body is None else msgspec.json.encode(body)
+        retries = self.connect_retries if retries is None else retries
+        for attempt in range(retries + 1):
+            sess = await self._sess()
+            try:
+                async with sess.request(method, url, data=data,
+                                        headers={"Content-Type": "application/json"}) as resp:
+                    raw = await resp.read()
+                    if resp.status >= 400:
+                        raise EngineError(url, resp.status, _message(raw))
+                    return raw
+            except aiohttp.ClientConnectorError:
+                # Nothing reached the server: safe to retry.
+                if attempt == retries:
+                    raise
+                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    async def json(self, method: str, path: str, body: Any = None) -> Any:
+        raw = await self.request(method, path, body)
+        return msgspec.json.decode(raw) if raw else None
+
+    # ------------------------------------------------------------ generation
+
+    async def generate(self, input_ids: Sequence[int], sampling_params: api.SamplingParams | dict[str, Any] | None = None,
+                       *, rid: str | None = None, return_logprob: bool = True) -> GenerateResult:
+        sp = sampling_params if isinstance(sampling_params, api.SamplingParams) else \
+            msgspec.convert(sampling_params or {}, api.SamplingParams)
+        req = api.GenerateReqInput(input_ids=list(map(int, input_ids)), sampling_params=sp, rid=rid,
+                                   return_logprob=return_logprob)
+        return _result.decode(await self.request("POST", "/generate", req))
+
+    async def generate_batch(self, batch: Sequence[Sequence[int]], sampling_params: api.SamplingParams,
+                             *, rids: list[str] | None = None, return_logprob: bool = True) -> list[GenerateResult]:
+        req = api.GenerateReqInput(input_ids=[list(map(int, ids)) for ids in batch], sampling_params=sampling_params,
+                                   rid=rids, return_logprob=return_logprob)
+        return _results.decode(await self.request("POST", "/generate", req))
+
+    async def chat(self, messages: list[dict[str, Any]], **params: Any) -> Any:
+        return await self.json("POST", "/v1/chat/completions", {"messages": messages, **params})
+
+    # ------------------------------------------------------------ control (send to each worker, not the router)
+
+    async def abort(self, rid: str | None = None) -> Any:
+        return await self.json("POST", "/abort_request", api.AbortReq(rid=rid or "", abort_all=rid is None))
+
+    async def pause(self, mode: str = "abort") -> Any:
+        return await self.json("POST", "/pause_generation", api.PauseReq(mode=mode))  # type: ignore[arg-type]
+
+    async def resume(self) -> Any:
+        return await self.json("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> Any:
+        return await self.request("POST", "/flush_cache", {})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | int | None = None,
+                                       abort_all_requests: bool = False) -> Any:
+        return await self.json("POST", "/update_weights_from_disk", api.UpdateFromDiskReq(
+            model_path=model_path, weight_version=None if weight_version is None else str(weight_version),
+            abort_all_requests=abort_all_requests))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "gloo") -> Any:
+        return await self.json("POST", "/init_weights_update_group", api.InitGroupReq(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              weight_version: str | int | None = None,
+                                              group_name: str = "weight_update_group") -> Any:
+        return await self.json("POST", "/update_weights_from_distributed", api.UpdateFromDistributedReq(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+            weight_version=None if weight_version is None else str(weight_version)))
+
+    async def update_weight_version(self, new_version: str | int, abort_all_requests: bool = False) -> Any:
+        return await self.json("POST", "/update_weight_version", api.UpdateWeightVersionReq(
+            new_version=str(new_version), abort_all_requests=abort_all_requests))
+
+    # ------------------------------------------------------------ info
+
+    async def health(self) -> bool:
+        try:
+            await self.request("GET", "/health", retries=0)
+            return True
+        except (aiohttp.ClientError, EngineError, asyncio.TimeoutError):
+            return False
+
+    async def model_info(self) -> Any:
+        return await self.json("GET", "/model_info")
+
+    async def server_info(self) -> Any:
+        return await self.json("GET", "/server_info")
+
+    async def weight_version(self) -> str:
+        return (await self.model_info())["weight_version"]
+
+    async def wait_healthy(self, timeout_s: float = 120) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not await self.health():
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{self.base_url} not healthy after {timeout_s}s")
+            await asyncio.sleep(0.2)
+
+
+def _message(raw: bytes) -> str:
+    try:
+        err = msgspec.json.decode(raw)
+        if isinstance(err, dict):
+            e = err.get("error", err.get("message", err))
+            return e.get("message", str(e)) if isinstance(e, dict) else str(e)
+    except msgspec.DecodeError:
+        pass
+    return raw.decode(errors="replace")[:500]
