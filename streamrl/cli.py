@@ -11,6 +11,8 @@ from typing import Any
 EPILOG = """examples:
   streamrl check recipes/quickstart.yaml rollout.n_samples=4
   streamrl demo recipes/quickstart.yaml
+  streamrl model init runs/models/tiny --preset tiny
+  streamrl engine serve --model runs/models/tiny --port 30001
   streamrl pool stats runs/quickstart --json
   streamrl pool query runs/quickstart "SELECT status, count(*) FROM pool GROUP BY 1"
   streamrl pool show runs/quickstart <GROUP_ID>
@@ -44,6 +46,28 @@ def _parser() -> argparse.ArgumentParser:
                                    "and a learner loop claims batches under the staleness bound. No model is trained.")
     d.add_argument("recipe")
     d.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+    m = sub.add_parser("model", help="build a tiny HF-format model and tokenizer locally (no download)")
+    ms = m.add_subparsers(dest="model_cmd", required=True, metavar="ACTION")
+    mi = ms.add_parser("init", help="write a Qwen2 model + byte-level BPE tokenizer with save_pretrained",
+                       description="Create OUT_DIR with config.json, model.safetensors and tokenizer files that load "
+                                   "in transformers, the embedded engine, mbridge/megatron and SGLang.")
+    mi.add_argument("out_dir")
+    mi.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+                    help="tiny: ~0.1M parameters (tests); small: ~3M (quick-start learner)")
+    mi.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+
+    e = sub.add_parser("engine", help="run the embedded CPU engine (SGLang's HTTP API)")
+    es = e.add_subparsers(dest="engine_cmd", required=True, metavar="ACTION")
+    ev = es.add_parser("serve", help="serve a model directory over SGLang's native HTTP API",
+                       description="Serve /generate, /abort_request, /pause_generation, weight updates, "
+                                   "/model_info and /v1/chat/completions like an SGLang server, on the CPU.")
+    ev.add_argument("--model", required=True, help="HF model directory (e.g. from `streamrl model init`)")
+    ev.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    ev.add_argument("--port", type=int, default=30000)
+    ev.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
+    ev.add_argument("--weight-version", default="0")
+    ev.add_argument("--seed", type=int, default=0)
 
     pool = sub.add_parser("pool", help="inspect an experience pool (stats, query, show, export)")
     ps = pool.add_subparsers(dest="pool_cmd", required=True, metavar="ACTION")
@@ -96,6 +120,23 @@ def _dispatch(args: argparse.Namespace) -> int:
         from streamrl.recipe import load_recipe
 
         return run_demo(load_recipe(args.recipe, args.overrides))
+    if args.cmd == "model":
+        from connectors.model_kit import init_model_dir
+
+        out = init_model_dir(args.out_dir, args.preset, args.seed)
+        print(f"wrote {args.preset} model and tokenizer to {out}")
+        return 0
+    if args.cmd == "engine":
+        from pathlib import Path
+
+        from connectors.engine_server import serve
+
+        if not (Path(args.model) / "config.json").is_file():
+            raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "
+                             f"`streamrl model init {args.model}`")
+        serve(args.model, host=args.host, port=args.port, max_running=args.max_running,
+              weight_version=args.weight_version, seed=args.seed)
+        return 0
     return _pool_cmd(args)
 
 
