@@ -41,6 +41,7 @@ from streamrl.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGr
 
 POOL_TABLE, ADMISSIONS_TABLE = "pool", "admissions"
 _CONFLICT_RETRIES = 20
+COMPACT_TARGET_ROWS = 16384
 
 
 def _quote(values: Sequence[str]) -> str:
@@ -88,6 +89,7 @@ class LancePool:
         self.commit_linger_s = commit_linger_ms / 1000
         self.compact_every = compact_every
         self.commits = 0  # Lance commits made by this object's committer (group-commit metric)
+        self._partial_ids: set[str] | None = None  # stored partial groups; loaded on first write
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -132,7 +134,8 @@ class LancePool:
 
     def _create(self, name: str, schema: pa.Schema) -> Any:
         try:
-            return self._db.create_table(name, schema=schema, exist_ok=True)
+            # Lance file format 2.0 encodes list<int32> columns ~2x faster than 2.2 here.
+            return self._db.create_table(name, schema=schema, exist_ok=True, data_storage_version="2.0")
         except Exception:  # noqa: BLE001 - another process created it first
             return self._db.open_table(name)
 
@@ -238,10 +241,11 @@ class LancePool:
             writes.append((it.kind, t))
         if not writes:
             return
-        # A finished group replaces the partial stored by any process before it (e.g. before a
-        # restart), so look in the pool, not in this object's memory.
-        stored_partial = pa.array(list(set(self.scan(["group_id"], where="status = 'partial'")["group_id"]
-                                           .to_pylist()) & seen), pa.string())
+        # A finished group replaces the partial stored before it, also by an earlier process
+        # (before a restart): the partials in the pool are read once, then tracked here.
+        if self._partial_ids is None:
+            self._partial_ids = set(self.scan(["group_id"], where="status = 'partial'")["group_id"].to_pylist())
+        stored_partial = pa.array(list(self._partial_ids & seen), pa.string())
         plain, upsert = [], []
         for kind, t in writes:
             replaces = pc.is_in(t["group_id"], value_set=stored_partial)
@@ -261,6 +265,12 @@ class LancePool:
                              .when_matched_update_all(where="target.status = 'partial'")
                              .when_not_matched_insert_all().execute(upsert_t))
             self.commits += 1
+        for kind, t in writes:
+            ids = set(t["group_id"].to_pylist())
+            if kind == "partial":
+                self._partial_ids |= ids
+            else:
+                self._partial_ids -= ids
 
     # ------------------------------------------------------------ reads
 
@@ -373,7 +383,8 @@ class LancePool:
         return Batch(step=step, learner_version=learner_version, groups=groups, dropped=drop, masked_tokens=masked)
 
     def compact(self) -> None:
-        """Merge small fragments, drop versions older than 10 minutes, and keep the scalar
+        """Merge small fragments into ~16k-row ones (bounded, so a big fragment is not
+        rewritten every time), drop versions older than 10 minutes, and keep the scalar
         indices that make claims fast up to date."""
         from lancedb.index import BTree, Bitmap
 
@@ -381,11 +392,14 @@ class LancePool:
                              (self._adm, {"group_id": BTree()})):
             if tbl.count_rows() == 0:
                 continue
+            _retry_conflicts(lambda: tbl.to_lance().optimize.compact_files(
+                target_rows_per_fragment=COMPACT_TARGET_ROWS, materialize_deletions_threshold=0.1))
             have = {c for idx in tbl.list_indices() for c in idx.columns}
             for col, cfg in indexed.items():
                 if col not in have:
                     _retry_conflicts(lambda: tbl.create_index(col, config=cfg))
-            _retry_conflicts(lambda: tbl.optimize(cleanup_older_than=timedelta(minutes=10)))
+            _retry_conflicts(lambda: tbl.to_lance().optimize.optimize_indices())
+            tbl.to_lance().cleanup_old_versions(older_than=timedelta(minutes=10))
 
     def fragments(self) -> int:
         return len(self._pool.to_lance().get_fragments())

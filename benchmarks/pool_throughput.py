@@ -1,0 +1,356 @@
+#!/usr/bin/env python
+"""Experience-pool throughput: LancePool appends and claims against raw Arrow IPC files.
+
+Prints one JSON object on stdout (progress on stderr); what each figure means is listed below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
+
+import lancedb  # noqa: E402
+
+from pools import LancePool  # noqa: E402
+from pools.schema import groups_to_table  # noqa: E402
+from streamrl.types import Sample, SampleGroup, VersionSpan  # noqa: E402
+
+GROUP = 64  # samples per group (GRPO n); one append call stores one group
+VOCAB = 151_936  # Qwen2 vocabulary: ids need 18 bits, so int encodings see realistic values
+BATCH_GROUPS = 4  # a claim takes 4 groups = 256 samples
+
+FIGURES = """
+figures (all rates are wall-clock, data generation excluded):
+  append_single      one producer thread, one 64-sample group per append(admit=True) call
+  append_concurrent  --producers threads doing the same at once: the pool's intended use, where
+                     the committer coalesces their calls into one Lance commit (group commit)
+    rows_per_s / tokens_per_s / mb_per_s  samples, response tokens, Arrow bytes stored per second
+    p50_ms / p99_ms    latency of one append call (submit to committed; neither Lance nor the IPC
+                       writer below fsyncs, so both are durable against a process crash only)
+    commits            Lance commits by the pool (rows table + admissions table)
+    rows_per_commit    rows / commits of the rows table (versions added to it)
+  arrow_ipc          the same groups, converted by groups_to_table (exactly the tables the pool
+                     writes) and written as one IPC file per commit-sized chunk with pyarrow
+                     by one thread; each file closed inside the timing
+    rows_per_s         conversion + write; write_only_rows_per_s excludes the conversion
+  pool_vs_arrow_ipc  append_concurrent rows/s divided by arrow_ipc rows/s (both include
+                     groups_to_table); pool_vs_arrow_ipc_write_only divides by the write-only rate.
+                     Concurrent appends and IPC writes alternate in --rounds rounds over the same
+                     groups, so load from other jobs hits both; _by_round gives each round's ratio.
+                     Appends run with compact_every=0, so fragments pile up (data.pool_fragments_
+                     after_appends): a falling _by_round series is the pool slowing as they do
+  compact_s          pool.compact(): optimize plus scalar indices, at --rows rows
+  claim              pool.claim of 4 groups (256 samples) with --rows rows in the pool, most of them
+                     consumed, a backlog of complete groups, compacted and indexed, then fresh
+                     fragments; before each claim (untimed) 4 more groups are appended, as producers
+                     keep doing, so the backlog stays level and fragments pile up as in a run, and
+                     at --claim-compact-at fragments the pool is compacted (untimed)
+    p50_ms / p99_ms / rows_per_s  claim latency and claimed samples per second
+    first_10_p50_ms    median of the first 10 claims (right after compaction, fewest fragments)
+    fragments_min/max  Lance fragments in the pool table seen by the claims
+  ledger_balanced    pool.ledger() accounts for every group afterwards (a correctness check)
+  data               pool_mb / ipc_mb: bytes on disk; arrow_mb: in-memory Arrow size of the rows;
+                     pool_mb_at_end includes versions compact() keeps for 10 minutes
+  machine            loadavg_1m_at_start: other jobs running on the box make every figure noisy
+  targets            the issue's goals: pool >= 50% of IPC rows/s, 256-sample claim < 50 ms
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_groups(n: int, rng: np.random.Generator, tag: str, consumed: int) -> list[SampleGroup]:
+    """n groups of GROUP samples; the first `consumed` of them already consumed by a learner step.
+
+    All arrays are views into three big buffers, so generating 100k rows takes about a second."""
+    resp_len = rng.integers(200, 2001, size=(n, GROUP))
+    prompt_len = rng.integers(50, 201, size=n)
+    tokens = rng.integers(0, VOCAB, size=int(resp_len.sum()), dtype=np.int32)
+    logprobs = -rng.standard_exponential(size=tokens.size, dtype=np.float32)
+    prompts = rng.integers(0, VOCAB, size=int(prompt_len.sum()), dtype=np.int32)
+    groups: list[SampleGroup] = []
+    t = p = 0
+    for i in range(n):
+        version = i // 16  # a new policy version every 4 steps of 4 groups
+        samples: list[Sample] = []
+        for j, k in enumerate(resp_len[i].tolist()):
+            samples.append(Sample(index=j, response_tokens=tokens[t : t + k], rollout_logprobs=logprobs[t : t + k],
+                                  spans=[VersionSpan(version, 0, k)], reward=float(j % 2), finish_reason="stop"))
+            t += k
+        done = i < consumed
+        groups.append(SampleGroup(group_id=f"{tag}:{i}", prompt_id=f"p{i}", prompt_tokens=prompts[p : p + prompt_len[i]],
+                                  samples=samples, producer_id=tag, status="consumed" if done else "complete",
+                                  consumed_step=i // BATCH_GROUPS if done else None,
+                                  consumed_version=version if done else None))
+        p += int(prompt_len[i])
+    return groups
+
+
+def pct(values: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(values) * 1000
+    return {"p50_ms": round(float(np.percentile(a, 50)), 2), "p99_ms": round(float(np.percentile(a, 99)), 2),
+            "mean_ms": round(float(a.mean()), 2), "max_ms": round(float(a.max()), 2)}
+
+
+def rates(groups: Sequence[SampleGroup], seconds: float) -> dict[str, float]:
+    rows = sum(len(g.samples) for g in groups)
+    tokens = sum(s.num_tokens for g in groups for s in g.samples)
+    return {"rows": rows, "seconds": round(seconds, 3), "rows_per_s": round(rows / seconds, 1),
+            "tokens_per_s": round(tokens / seconds), "mb_per_s": round(arrow_bytes(groups) / seconds / 1e6, 1)}
+
+
+def arrow_bytes(groups: Sequence[SampleGroup]) -> int:
+    # Column payload the pool writes: tokens, log-probs, masks and prompts dominate.
+    return sum(g.prompt_tokens.nbytes * len(g.samples) + sum(s.num_tokens * 9 for s in g.samples) for g in groups)
+
+
+def dir_mb(path: Path) -> float:
+    return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6, 1)
+
+
+def table_version(uri: Path) -> int:
+    # A separate connection, so the pool's own objects are left alone.
+    return lancedb.connect(str(uri)).open_table("pool").version
+
+
+def append_phase(pool: LancePool, uri: Path, groups: list[SampleGroup], producers: int) -> dict[str, Any]:
+    """`producers` threads, each appending its share one group per call, released together."""
+    shares = [groups[i::producers] for i in range(producers)]
+    lat: list[list[float]] = [[] for _ in range(producers)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(producers + 1)
+
+    def work(k: int) -> None:
+        start.wait()
+        try:
+            for g in shares[k]:
+                t0 = time.perf_counter()
+                pool.append([g], admit=True)
+                lat[k].append(time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(producers)]
+    for th in threads:
+        th.start()
+    commits0, version0 = pool.commits, table_version(uri)
+    start.wait()
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return {"groups": groups, "seconds": seconds, "lat": [x for ls in lat for x in ls],
+            "commits": pool.commits - commits0, "row_commits": table_version(uri) - version0}
+
+
+def append_summary(runs: list[dict[str, Any]], producers: int) -> dict[str, Any]:
+    groups = [g for r in runs for g in r["groups"]]
+    row_commits = sum(r["row_commits"] for r in runs)
+    out = {"producers": producers, **rates(groups, sum(r["seconds"] for r in runs)),
+           **pct([x for r in runs for x in r["lat"]]), "commits": sum(r["commits"] for r in runs),
+           "row_commits": row_commits}
+    out["rows_per_commit"] = round(out["rows"] / max(row_commits, 1), 1)
+    return out
+
+
+def ipc_phase(groups: list[SampleGroup], chunk_groups: int, out_dir: Path) -> dict[str, Any]:
+    """One thread converts a chunk, writes it and closes the file: with the GIL on 2 cores, more
+    threads would not convert faster, and the pool's commits are serial too."""
+    out_dir.mkdir(exist_ok=True)
+    convert = write = 0.0
+    chunks = [groups[i : i + chunk_groups] for i in range(0, len(groups), chunk_groups)]
+    for chunk in chunks:
+        t0 = time.perf_counter()
+        table = groups_to_table(chunk)
+        t1 = time.perf_counter()
+        path = out_dir / f"{chunk[0].group_id.replace(':', '-')}.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        t2 = time.perf_counter()
+        convert, write = convert + t1 - t0, write + t2 - t1
+    return {"groups": groups, "files": len(chunks), "convert": convert, "write": write}
+
+
+def ipc_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    groups = [g for r in runs for g in r["groups"]]
+    write = sum(r["write"] for r in runs)
+    out = {"files": sum(r["files"] for r in runs), **rates(groups, write + sum(r["convert"] for r in runs))}
+    out["write_only_seconds"] = round(write, 3)
+    out["write_only_rows_per_s"] = round(out["rows"] / write, 1)
+    return out
+
+
+def claim_phase(pool: LancePool, feed: list[SampleGroup], claims: int, top_version: int,
+                compact_at: int) -> dict[str, Any]:
+    lat: list[float] = []
+    frags: list[int] = []
+    compact_s: list[float] = []
+    rows0 = pool.count_rows()
+    backlog0 = pool.scan(["sample_index"], where="status = 'complete'").num_rows
+    for step in range(claims):
+        if compact_at and pool.fragments() >= compact_at:
+            # What LancePool(compact_every=64) would start in the background; here synchronous and
+            # untimed, so the figure is the claim itself.
+            t0 = time.perf_counter()
+            pool.compact()
+            compact_s.append(time.perf_counter() - t0)
+        pool.append(feed[step * BATCH_GROUPS : (step + 1) * BATCH_GROUPS], admit=True)  # producers keep going
+        frags.append(pool.fragments())
+        t0 = time.perf_counter()
+        # A bound wider than any version spread: the measured path is take, not drop.
+        batch = pool.claim(step, top_version, BATCH_GROUPS, max_staleness=10**6, policy="drop")
+        lat.append(time.perf_counter() - t0)
+        if batch is None or batch.num_samples != BATCH_GROUPS * GROUP:
+            raise RuntimeError(f"claim {step} returned {batch and batch.num_samples} samples, expected 256")
+    return {"pool_rows_at_start": rows0, "pool_rows_at_end": pool.count_rows(), "complete_rows_at_start": backlog0,
+            "fragments_min": min(frags), "fragments_max": max(frags), "claims": claims,
+            "samples_per_claim": BATCH_GROUPS * GROUP, **pct(lat),
+            "first_10_p50_ms": pct(lat[:10])["p50_ms"], "rows_per_s": round(claims * BATCH_GROUPS * GROUP / sum(lat), 1),
+            "compact_at_fragments": compact_at, "compactions": len(compact_s),
+            "compact_s_mean": round(float(np.mean(compact_s)), 2) if compact_s else None}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, epilog=FIGURES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="20k rows and fewer claims (under 2 minutes on 2 cores)")
+    ap.add_argument("--rows", type=int, help="rows in the pool when claims are measured (default 100000, quick 20000)")
+    ap.add_argument("--producers", type=int, default=8, help="concurrent producer threads (default 8)")
+    ap.add_argument("--single-groups", type=int, help="groups appended by the single producer (default 150, quick 40)")
+    ap.add_argument("--backlog-rows", type=int, default=4096, help="complete (unclaimed) rows before claims (4096)")
+    ap.add_argument("--fresh-fragments", type=int, default=8, help="un-compacted fragments appended after compact (8)")
+    ap.add_argument("--claims", type=int, help="timed claims (default 100, quick 30)")
+    ap.add_argument("--claim-compact-at", type=int, default=64,
+                    help="during claims, compact (untimed) once the pool has this many fragments, as "
+                         "LancePool's default compact_every does; 0 = never (64)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating pool / IPC rounds (3)")
+    ap.add_argument("--commit-max-rows", type=int, default=8192, help="LancePool commit_max_rows (8192)")
+    ap.add_argument("--commit-linger-ms", type=float, default=2.0, help="LancePool commit_linger_ms (2.0)")
+    ap.add_argument("--dir", type=Path, default=REPO / "runs" / "bench",
+                    help="parent of the temporary data directory; the disk under test (default runs/bench)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
+    args = ap.parse_args()
+    args.rows = args.rows or (20_000 if args.quick else 100_000)
+    args.single_groups = args.single_groups if args.single_groups is not None else (40 if args.quick else 150)
+    args.claims = args.claims or (30 if args.quick else 100)
+    return args
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    n_groups = max(args.rows // GROUP, args.single_groups + 1)
+    backlog = min(max(1, -(-args.backlog_rows // GROUP)), n_groups - args.single_groups)
+    n_fresh = args.fresh_fragments + args.claims * BATCH_GROUPS
+    log(f"generating {n_groups} groups ({n_groups * GROUP} rows) + {n_fresh} to feed the claims")
+    rng = np.random.default_rng(args.seed)
+    # Consumed groups first, the complete backlog last: claims then take the newest bulk rows.
+    bulk = make_groups(n_groups, rng, "bulk", consumed=n_groups - backlog)
+    fresh = make_groups(n_fresh, rng, "fresh", consumed=0)
+    single_groups, multi_groups = bulk[: args.single_groups], bulk[args.single_groups :]
+    uri = work / "pool"
+    r: dict[str, Any] = {}
+    with LancePool(uri, commit_max_rows=args.commit_max_rows, commit_linger_ms=args.commit_linger_ms,
+                   compact_every=0) as pool:
+        # Flush dirty pages before each timed phase, so no phase pays for the previous one's writeback.
+        os.sync()
+        log(f"single producer: {len(single_groups)} groups")
+        r["append_single"] = append_summary([append_phase(pool, uri, single_groups, 1)], 1)
+        # Pool and IPC alternate in rounds over the same groups, so load from other jobs on a shared
+        # machine hits both sides alike; the ratio of the summed rates is the headline.
+        pool_runs: list[dict[str, Any]] = []
+        ipc_runs: list[dict[str, Any]] = []
+        for k in range(args.rounds):
+            part = multi_groups[k :: args.rounds]
+            os.sync()
+            log(f"round {k + 1}/{args.rounds}: {args.producers} producers, {len(part)} groups")
+            pool_runs.append(append_phase(pool, uri, part, args.producers))
+            # One IPC file per commit this round made: the same tables, the same chunking.
+            chunk = max(1, round(len(part) / max(pool_runs[-1]["row_commits"], 1)))
+            os.sync()
+            log(f"round {k + 1}/{args.rounds}: arrow ipc, {chunk} groups per file")
+            ipc_runs.append(ipc_phase(part, chunk, work / "ipc"))
+        pool_mb, ipc_mb, pool_frags = dir_mb(uri), dir_mb(work / "ipc"), pool.fragments()
+        shutil.rmtree(work / "ipc")
+        r["append_concurrent"] = conc = append_summary(pool_runs, args.producers)
+        r["arrow_ipc"] = ipc = ipc_summary(ipc_runs)
+        r["pool_vs_arrow_ipc"] = round(conc["rows_per_s"] / ipc["rows_per_s"], 3)
+        r["pool_vs_arrow_ipc_write_only"] = round(conc["rows_per_s"] / ipc["write_only_rows_per_s"], 3)
+        r["pool_vs_arrow_ipc_by_round"] = [
+            round((i["convert"] + i["write"]) / p["seconds"], 3) for p, i in zip(pool_runs, ipc_runs)]
+
+        os.sync()
+        log("compact")
+        t0 = time.perf_counter()
+        pool.compact()
+        r["compact_s"] = round(time.perf_counter() - t0, 2)
+        for g in fresh[: args.fresh_fragments]:
+            pool.append([g], admit=True)  # one commit each: fragments the compaction has not seen
+        log(f"claims: {args.claims} x {BATCH_GROUPS * GROUP} samples")
+        top_version = max(g.max_version or 0 for g in bulk + fresh)
+        r["claim"] = claim_phase(pool, fresh[args.fresh_fragments :], args.claims, top_version, args.claim_compact_at)
+        r["ledger_balanced"] = pool.ledger().balanced
+    every = bulk + fresh
+    r["data"] = {"groups": len(every), "rows": sum(len(g.samples) for g in every),
+                 "response_tokens": sum(s.num_tokens for g in every for s in g.samples),
+                 "arrow_mb": round(arrow_bytes(every) / 1e6, 1), "pool_mb_after_appends": pool_mb,
+                 "pool_fragments_after_appends": pool_frags, "ipc_mb": ipc_mb, "pool_mb_at_end": dir_mb(uri)}
+    r["data_storage_version"] = lancedb.connect(str(uri)).open_table("pool").to_lance().data_storage_version
+    return r
+
+
+def main() -> None:
+    args = parse_args()
+    wall0, load0 = time.perf_counter(), os.getloadavg()[0]  # other jobs on the box skew every figure
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="pool_throughput-", dir=args.dir))
+    try:
+        r = run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    storage_version = r.pop("data_storage_version")
+    git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    result = {
+        "benchmark": "pool_throughput", "quick": args.quick,
+        "targets": {"pool_at_least_half_of_ipc": r["pool_vs_arrow_ipc"] >= 0.5,
+                    "claim_p50_under_50ms": r["claim"]["p50_ms"] < 50,
+                    "claim_p99_under_50ms": r["claim"]["p99_ms"] < 50},
+        **{k: r.pop(k) for k in ("pool_vs_arrow_ipc", "pool_vs_arrow_ipc_write_only", "pool_vs_arrow_ipc_by_round")},
+        **r,
+        "config": {"rows": args.rows, "group_size": GROUP, "response_tokens": [200, 2000], "prompt_tokens": [50, 200],
+                   "producers": args.producers, "rounds": args.rounds, "commit_max_rows": args.commit_max_rows,
+                   "commit_linger_ms": args.commit_linger_ms,
+                   "data_storage_version": storage_version, "dir": str(args.dir)},
+        "git": git.stdout.strip(),  # which pool code was measured
+        "machine": {"cpus": os.cpu_count(), "loadavg_1m_at_start": round(load0, 2), "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    **{p: version(p) for p in ("lancedb", "pylance", "pyarrow", "numpy")}},
+        "wall_s": round(time.perf_counter() - wall0, 1),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
