@@ -95,10 +95,17 @@ class Router:
             await asyncio.sleep(0.1)
         self._workers[url] = SGLangClient(url)
 
-    async def remove_worker(self, url: str) -> None:
+    async def remove_worker(self, url: str, timeout_s: float = 10) -> None:
+        """Deregister a worker and wait until the router no longer lists it (the router's
+        DELETE answers 202 and removes the worker in the background)."""
         for w in await self.list_workers():
             if w.get("url") == url:
                 await self.client.json("DELETE", f"/workers/{w.get('id') or w.get('worker_id')}")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(w.get("url") == url for w in await self.list_workers()):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"router still lists {url} {timeout_s}s after its removal")
+            await asyncio.sleep(0.05)
         client = self._workers.pop(url, None)
         if client is not None:
             await client.close()
