@@ -338,7 +338,11 @@ class _DropRouterProbes(logging.Filter):
 
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
-          weight_version: str = "0", seed: int = 0) -> None:
+          weight_version: str = "0", seed: int = 0, threads: int = 1) -> None:
+    """Serve until interrupted. `threads`: torch intra-op threads. One by default: engines share
+    the CPU with the learner and other engines, and torch's default (one per core) collapses
+    7-10x under such contention (benchmarks/engine_throughput.py --engine-threads)."""
+    torch.set_num_threads(threads)
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
     server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)
     web.run_app(server.app, host=host, port=port, print=lambda *_: None, access_log=None)

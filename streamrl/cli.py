@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
     ev.add_argument("--weight-version", default="0")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: engines share the CPU; more only on an otherwise idle machine)")
 
     pool = sub.add_parser("pool", help="inspect an experience pool (stats, query, show, export)")
     ps = pool.add_subparsers(dest="pool_cmd", required=True, metavar="ACTION")
@@ -135,7 +137,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "
                              f"`streamrl model init {args.model}`")
         serve(args.model, host=args.host, port=args.port, max_running=args.max_running,
-              weight_version=args.weight_version, seed=args.seed)
+              weight_version=args.weight_version, seed=args.seed, threads=args.threads)
         return 0
     return _pool_cmd(args)
 
