@@ -410,7 +410,8 @@ class LancePool:
             return False
         if self.fragments() < self.compact_every:
             return False
-        self._compacting = threading.Thread(target=self.compact, name="pool-compact", daemon=True)
+        # Not a daemon: interpreter exit waits for it instead of killing Lance mid-write.
+        self._compacting = threading.Thread(target=self.compact, name="pool-compact")
         self._compacting.start()
         return True
 
