@@ -72,6 +72,7 @@ class EngineCore:
         self.seed = seed
         self._waiting: deque[GenRequest] = deque()
         self._running: list[GenRequest] = []
+        self._joining: list[GenRequest] = []  # taken from the queue, being prefilled
         self._paused: str | None = None  # None, or the pause mode
         self._cond = threading.Condition()
         self._stop = False
@@ -178,18 +179,27 @@ class EngineCore:
                     fut.set_exception(e)
             if self._paused:
                 continue
-            self._admit()
-            if self._running:
-                self._decode()
+            try:
+                self._admit()
+                if self._running:
+                    self._decode()
+            except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+                for r in [*self._running, *self._joining]:
+                    self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+                self._running, self._joining = [], []
         self.abort()
 
     def _admit(self) -> None:
         with self._cond:
-            joining = []
-            while self._waiting and len(self._running) + len(joining) < self.max_running:
-                joining.append(self._waiting.popleft())
-        for r in joining:
-            self._prefill(r)
+            while self._waiting and len(self._running) + len(self._joining) < self.max_running:
+                self._joining.append(self._waiting.popleft())
+        while self._joining:
+            r = self._joining[0]
+            if r.max_new_tokens == 0:  # prefill only, as SGLang: nothing generated
+                self._finish(r, {"type": "length", "length": 0})
+            else:
+                self._prefill(r)
+            self._joining.pop(0)
 
     @torch.inference_mode()
     def _prefill(self, r: GenRequest) -> None:

@@ -31,6 +31,23 @@ _SP_UNSUPPORTED = {"stop": None, "n": 1, "min_p": 0.0, "frequency_penalty": 0.0,
                    "repetition_penalty": 1.0}
 
 
+def _check_sampling(sp: api.SamplingParams) -> None:
+    """The ranges SGLang enforces (a bad value must be a 400, never a crash in the scheduler)."""
+    problems = []
+    if sp.temperature < 0:
+        problems.append(f"temperature must be >= 0, got {sp.temperature}")
+    if not 0 < sp.top_p <= 1:
+        problems.append(f"top_p must be in (0, 1], got {sp.top_p}")
+    if sp.top_k < 1 and sp.top_k != -1:
+        problems.append(f"top_k must be -1 (disabled) or >= 1, got {sp.top_k}")
+    if sp.max_new_tokens is not None and sp.max_new_tokens < 0:
+        problems.append(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
+    if sp.min_new_tokens < 0 or (sp.max_new_tokens is not None and sp.min_new_tokens > sp.max_new_tokens):
+        problems.append(f"min_new_tokens must be in [0, max_new_tokens], got {sp.min_new_tokens}")
+    if problems:
+        raise HTTPError(400, "sampling_params: " + "; ".join(problems))
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -83,7 +100,9 @@ class EngineServer:
             r.add_get(path, self.server_info)
         r.add_get("/get_load", self.get_load)
         self.app.on_startup.append(self._start)
-        self.app.on_cleanup.append(self._stop)
+        # on_shutdown runs before aiohttp waits for open requests: stopping the core first
+        # finishes them (as aborts), so a paused engine still exits on SIGTERM.
+        self.app.on_shutdown.append(self._stop)
 
     async def _start(self, _: web.Application) -> None:
         self._thread.start()
@@ -111,8 +130,9 @@ class EngineServer:
     def _make(self, ids: list[int], rid: str, sp: api.SamplingParams) -> GenRequest:
         if not ids:
             raise HTTPError(400, "input_ids is empty: send at least one token")
-        if not all(isinstance(t, int) and 0 <= t < self.core.vocab_size for t in ids):
+        if not all(type(t) is int and 0 <= t < self.core.vocab_size for t in ids):
             raise HTTPError(400, f"input_ids must be ints in [0, {self.core.vocab_size}) for this model")
+        _check_sampling(sp)
         max_new = sp.max_new_tokens if sp.max_new_tokens is not None else self.core.max_context - len(ids)
         if max_new < 0 or len(ids) + max_new > self.core.max_context:
             raise HTTPError(400, f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the "
@@ -173,7 +193,10 @@ class EngineServer:
         if req.input_ids is None and req.text is None:
             raise HTTPError(400, "send input_ids or text")
         if req.input_ids is not None:
-            batch = req.input_ids and isinstance(req.input_ids[0], list)
+            batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+            if batch and not all(isinstance(x, list) for x in req.input_ids) or not batch and any(
+                    isinstance(x, list) for x in req.input_ids):
+                raise HTTPError(400, "input_ids must be a list of token ids or a list of such lists, not a mix")
             prompts = req.input_ids if batch else [req.input_ids]
         else:
             batch = isinstance(req.text, list)

@@ -44,10 +44,16 @@ def create_group(master_address: str, master_port: int, world_size: int,
     return _group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
 
 
+def _from_rank0() -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts
+
+
 def broadcast(group: Any, tensors: list[torch.Tensor]) -> None:
     """Trainer side: send each tensor to every engine (same order as the names sent over HTTP)."""
     for t in tensors:
-        group.broadcast([t.contiguous()], 0).wait()
+        group.broadcast([t.contiguous()], _from_rank0()).wait()
 
 
 def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -58,6 +64,6 @@ def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[i
         if dt not in _DTYPES:
             raise ValueError(f"{name}: unsupported dtype {dt!r}")
         t = torch.empty(shape, dtype=_DTYPES[dt], device=device)
-        group.broadcast([t], 0).wait()
+        group.broadcast([t], _from_rank0()).wait()
         out[name] = t
     return out

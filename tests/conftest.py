@@ -25,3 +25,73 @@ def pool(run_dir: Path):
     p = LancePool(run_dir / "pool")
     yield p
     p.close()
+
+
+# ---------------------------------------------------------------- embedded engines (tests/enginekit.py)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Two tiny Qwen2 model directories built once per session: seed 0 (what the engines
+    serve) and seed 1 (the weights pushed by update tests); see enginekit.make_model_dir."""
+    from enginekit import make_model_dir
+
+    root = tmp_path_factory.mktemp("models")
+    return str(make_model_dir(root / "seed0", seed=0)), str(make_model_dir(root / "seed1", seed=1))
+
+
+@pytest.fixture(scope="session")
+def engines(model_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):
+    """Two embedded engines (subprocesses, default host) serving the seed-0 model, started once
+    per session. Stopped with SIGTERM at the end; fails the session if one needs SIGKILL or
+    leaves a process behind."""
+    from enginekit import start_engines
+
+    procs = start_engines(model_dirs[0], tmp_path_factory.mktemp("engine-logs"), 2)
+    yield procs
+    for p in procs:
+        p.stop()
+    problems = [f"engine {p.pid}: needed SIGKILL" for p in procs if p.killed]
+    problems += [f"engine {p.pid}: pids still alive {p.leftovers()}" for p in procs if p.leftovers()]
+    assert not problems, problems
+
+
+@pytest.fixture
+def engine(engines, model_dirs: tuple[str, str]):
+    """The first session engine, reset first: running, nothing in flight, seed-0 weights, version "0"."""
+    import asyncio
+
+    from enginekit import reset_engine
+
+    asyncio.run(reset_engine(engines[0].url, model_dirs[0]))
+    return engines[0]
+
+
+@pytest.fixture(scope="session")
+def router_proc(engines):
+    """The real sglang-router (round_robin, 127.0.0.1) with both session engines registered."""
+    import asyncio
+
+    from connectors.router import Router
+    from enginekit import descendants, pid_alive
+
+    router = Router(policy="round_robin").start()
+
+    async def register() -> None:
+        try:
+            for e in engines:
+                await router.add_worker(e.url)
+        finally:  # the clients' aiohttp sessions belong to this event loop: close them here
+            await router.client.close()
+            for c in router.workers.values():
+                await c.close()
+
+    try:
+        asyncio.run(register())
+    except BaseException:
+        router.stop()
+        raise
+    pids = [router.proc.pid, *descendants(router.proc.pid)]
+    yield router
+    router.stop()
+    assert not [p for p in pids if pid_alive(p)], f"sglang-router processes {pids} still alive after stop()"
