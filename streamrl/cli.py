@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Runs the experience-pool demo for RECIPE: several producer threads stream "
                                    "sample groups of a synthetic arithmetic task into RUN_DIR/pool under admission "
                                    "control, some are interrupted by version bumps and resumed as partial rollouts, "
-                                   "and a learner loop claims batches under the staleness bound. No model is trained.")
+                                   "and a learner loop claims batches under the staleness bound. No model is trained. "
+                                   "Each run replaces the pool a previous demo left in RUN_DIR.")
     d.add_argument("recipe")
     d.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
 

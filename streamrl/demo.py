@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import threading
 import time
 import zlib
@@ -72,6 +73,9 @@ def run_demo(recipe: Recipe, producers: int = 3, chunk_tokens: int = 1, seconds_
     reward_fn = resolve_fn(recipe.reward.fn)
     filters = [(f.fn, resolve_fn(f.fn), f.args) for f in recipe.filters]
     ro, st = recipe.rollout, recipe.staleness
+    if Path(recipe.pool_uri).is_dir():  # the demo restarts from version 0: an old pool would clash
+        print(f"demo: replacing the previous demo pool at {recipe.pool_uri}")
+        shutil.rmtree(recipe.pool_uri)
     pool = LancePool(recipe.pool_uri, run_id=recipe.run.name, commit_max_rows=recipe.pool.commit_max_rows,
                      commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=recipe.pool.compact_every)
     pool.set_tokenizer(str(run_dir / "tokenizer.json"))
