@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
@@ -24,13 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
+from benchmarks._report import emit, git_rev, machine  # noqa: E402
 from connectors.router import Router, free_port  # noqa: E402
 from connectors.sglang_client import SGLangClient  # noqa: E402
 
@@ -242,18 +240,11 @@ def main() -> None:
         "config": {"max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "seconds": args.seconds,
                    "engine_max_running": ENGINE_MAX_RUNNING, "router_policy": "round_robin",
                    "engine_threads": args.engine_threads},
-        "git": subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                              capture_output=True, text=True).stdout.strip(),
-        "machine": {"cpus": os.cpu_count(), "loadavg_1m_at_start": round(load0, 2),
-                    "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    **{p: version(p) for p in ("torch", "transformers", "aiohttp", "sglang-router")}},
+        "git": git_rev(),
+        "machine": machine(load0, ("torch", "transformers", "aiohttp", "sglang-router")),
         "wall_s": round(time.perf_counter() - wall0, 1),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

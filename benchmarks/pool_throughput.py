@@ -7,17 +7,13 @@ Prints one JSON object on stdout (progress on stderr); what each figure means is
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +25,7 @@ sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installe
 
 import lancedb  # noqa: E402
 
+from benchmarks._report import emit, git_rev, machine  # noqa: E402
 from pools import LancePool  # noqa: E402
 from pools.schema import groups_to_table  # noqa: E402
 from streamrl.types import Sample, SampleGroup, VersionSpan  # noqa: E402
@@ -328,7 +325,6 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     storage_version = r.pop("data_storage_version")
-    git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
     result = {
         "benchmark": "pool_throughput", "quick": args.quick,
         "targets": {"pool_at_least_half_of_ipc": r["pool_vs_arrow_ipc"] >= 0.5,
@@ -340,16 +336,11 @@ def main() -> None:
                    "producers": args.producers, "rounds": args.rounds, "commit_max_rows": args.commit_max_rows,
                    "commit_linger_ms": args.commit_linger_ms,
                    "data_storage_version": storage_version, "dir": str(args.dir)},
-        "git": git.stdout.strip(),  # which pool code was measured
-        "machine": {"cpus": os.cpu_count(), "loadavg_1m_at_start": round(load0, 2), "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    **{p: version(p) for p in ("lancedb", "pylance", "pyarrow", "numpy")}},
+        "git": git_rev(),  # which pool code was measured
+        "machine": machine(load0, ("lancedb", "pylance", "pyarrow", "numpy")),
         "wall_s": round(time.perf_counter() - wall0, 1),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

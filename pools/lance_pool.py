@@ -29,7 +29,6 @@ import pyarrow.compute as pc
 from pools.base import PoolError
 from pools.schema import (
     ADMISSIONS_SCHEMA,
-    META_COLUMNS,
     POOL_SCHEMA,
     admissions_to_table,
     groups_to_table,

@@ -10,7 +10,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -34,7 +33,7 @@ def _group(gid: str, tok, version: int, rewards: list[float], status: str = "com
 
 
 @pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
+def filled_run(tmp_path: Path) -> Path:
     """A run directory whose pool holds 3 consumed, 1 complete and 1 in-flight group."""
     tok = build_char_tokenizer(tmp_path / "tokenizer.json")
     with LancePool(tmp_path / "pool") as pool:
@@ -46,8 +45,8 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_stats_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["pool", "stats", str(run_dir), "--json"]) == 0
+def test_stats_json(filled_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "stats", str(filled_run), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["rows"] == 8 and s["groups"] == 4
     assert s["groups_by_status"] == {"complete": 1, "consumed": 3}
@@ -59,43 +58,43 @@ def test_stats_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert led["lost"] == 0 and led["duplicated"] == 0 and led["balanced"] is True
 
 
-def test_stats_text_and_unbalanced_exit_code(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["pool", "stats", str(run_dir)]) == 0
+def test_stats_text_and_unbalanced_exit_code(filled_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "stats", str(filled_run)]) == 0
     assert "balanced" in capsys.readouterr().out
-    with LancePool(run_dir / "pool") as pool:
+    with LancePool(filled_run / "pool") as pool:
         pool._pool.delete("group_id = 'g3' AND sample_index = 1")  # a stored group loses a sample
-    assert main(["pool", "stats", str(run_dir), "--json"]) == 3
+    assert main(["pool", "stats", str(filled_run), "--json"]) == 3
     assert json.loads(capsys.readouterr().out)["ledger"]["lost"] == 1
 
 
-def test_query_formats(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_query_formats(filled_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sql = "SELECT status, count(*) AS n FROM pool GROUP BY 1 ORDER BY 1"
-    assert main(["pool", "query", str(run_dir), sql, "--json"]) == 0
+    assert main(["pool", "query", str(filled_run), sql, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == [{"status": "complete", "n": 2}, {"status": "consumed", "n": 6}]
-    assert main(["pool", "query", str(run_dir), sql, "--csv"]) == 0
+    assert main(["pool", "query", str(filled_run), sql, "--csv"]) == 0
     assert capsys.readouterr().out.splitlines() == ['"status","n"', '"complete",2', '"consumed",6']
-    assert main(["pool", "query", str(run_dir), "SELECT count(*) AS a FROM admissions"]) == 0
+    assert main(["pool", "query", str(filled_run), "SELECT count(*) AS a FROM admissions"]) == 0
     assert "5" in capsys.readouterr().out
-    assert main(["pool", "query", str(run_dir), "SELECT * FROM pool WHERE consumed_step = 0", "--json"]) == 0
+    assert main(["pool", "query", str(filled_run), "SELECT * FROM pool WHERE consumed_step = 0", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 6 and all(r["consumed_version"] == 3 for r in rows)
 
 
-def test_query_error_is_exit_2(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["pool", "query", str(run_dir), "SELECT nosuchcolumn FROM pool"]) == 2
+def test_query_error_is_exit_2(filled_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "query", str(filled_run), "SELECT nosuchcolumn FROM pool"]) == 2
     assert "nosuchcolumn" in capsys.readouterr().err
 
 
-def test_show_decodes_text(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["pool", "show", str(run_dir), "g2"]) == 0
+def test_show_decodes_text(filled_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "show", str(filled_run), "g2"]) == 0
     out = capsys.readouterr().out
     assert "'12+30='" in out and "'42'" in out and "v2[0:2)" in out and "status consumed" in out
-    assert main(["pool", "show", str(run_dir), "nope"]) == 2
+    assert main(["pool", "show", str(filled_run), "nope"]) == 2
 
 
-def test_export_where(run_dir: Path, tmp_path: Path) -> None:
+def test_export_where(filled_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.parquet"
-    assert main(["pool", "export", str(run_dir), str(out), "--where", "status = 'complete'"]) == 0
+    assert main(["pool", "export", str(filled_run), str(out), "--where", "status = 'complete'"]) == 0
     t = pq.read_table(out)
     assert t.num_rows == 2 and set(t["group_id"].to_pylist()) == {"g3"}
     assert t["response_tokens"].to_pylist()[0] == build_char_tokenizer(tmp_path / "t.json").encode("42").ids
@@ -106,16 +105,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("damage", ["missing", "not_a_pool", "corrupt"])
-def test_bad_pool_dir_is_a_clear_error(run_dir: Path, tmp_path: Path, damage: str) -> None:
+def test_bad_pool_dir_is_a_clear_error(filled_run: Path, tmp_path: Path, damage: str) -> None:
     if damage == "missing":
         target = tmp_path / "does-not-exist"
     elif damage == "not_a_pool":
         target = tmp_path / "empty"
         target.mkdir()
     else:
-        for f in (run_dir / "pool" / "pool.lance" / "_versions").iterdir():
+        for f in (filled_run / "pool" / "pool.lance" / "_versions").iterdir():
             f.write_bytes(b"garbage")
-        target = run_dir
+        target = filled_run
     r = _cli("pool", "stats", str(target))
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and "streamrl: error:" in r.stderr and str(target) in r.stderr

@@ -25,7 +25,7 @@ from poolkit import (
     partial_of,
     rows_per_group,
 )
-from streamrl.types import Admission, VersionSpan
+from streamrl.types import Admission
 
 BIG = 10**6  # a staleness bound nothing exceeds
 
