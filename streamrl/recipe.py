@@ -112,9 +112,21 @@ class PoolCfg(_Cfg):
 
 
 class LearnerCfg(_Cfg):
+    """Optimisation and the RL objective (formulas: streamrl/algorithms/)."""
+
     lr: PosFloat = 1e-5
     micro_batch_size: PosInt = 8
     grad_clip: PosFloat = 1.0
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    loss_agg: Literal["token", "seq", "group"] = "token"
+    eps_clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
+    eps_clip_high: Annotated[float, msgspec.Meta(ge=0)] = 0.28
+    dual_clip: Annotated[float, msgspec.Meta(gt=1)] | None = None
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # > 0 loads a frozen reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    off_policy: Literal["none", "tis", "decoupled"] = "none"  # correction for stale rollouts
+    tis_cap: PosFloat = 2.0  # truncation of TIS / decoupled behaviour weights
 
 
 class EnginesCfg(_Cfg):
