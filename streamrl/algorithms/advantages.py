@@ -20,6 +20,7 @@ AdvantageMethod = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 def group_advantages(rewards: torch.Tensor, method: AdvantageMethod = "grpo", eps: float = 1e-6) -> torch.Tensor:
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, n], got shape {tuple(rewards.shape)}")
+    rewards = rewards.float() if not rewards.is_floating_point() else rewards
     n = rewards.shape[1]
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if method == "grpo":

@@ -11,7 +11,8 @@ kl_penalty: estimators of KL(pi || pi_ref) per token, with d = ref_logp - logp:
     k1 = -d,   k2 = d^2 / 2,   k3 = exp(d) - d - 1   (Schulman's unbiased, non-negative one)
 
 aggregate: token (mean over all unmasked tokens), seq (mean over sequences of each sequence's
-token mean), group (mean over groups of each group's token mean).
+token mean), group (mean over groups of each group's token mean); fully masked sequences or
+groups are left out of the mean.
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, how: Aggregation = "token",
     if how == "token":
         return (x * m).sum() / m.sum().clamp(min=1)
     per_seq_sum, per_seq_n = (x * m).sum(dim=1), m.sum(dim=1)
+    # Sequences (groups) with no unmasked token take no part in the mean, rather than
+    # counting as zeros that dilute it.
     if how == "seq":
-        return (per_seq_sum / per_seq_n.clamp(min=1)).mean()
+        has = per_seq_n > 0
+        return (per_seq_sum[has] / per_seq_n[has]).sum() / has.sum().clamp(min=1)
     if how == "group":
         if group_ids is None:
             raise ValueError("group aggregation needs group_ids (one id per sequence)")
         _, inv = torch.unique(group_ids, return_inverse=True)
-        sums = torch.zeros(int(inv.max()) + 1, dtype=x.dtype).index_add(0, inv, per_seq_sum)
+        sums = torch.zeros(int(inv.max()) + 1, dtype=x.dtype, device=x.device).index_add(0, inv, per_seq_sum)
         counts = torch.zeros_like(sums).index_add(0, inv, per_seq_n)
-        return (sums / counts.clamp(min=1)).mean()
+        has = counts > 0
+        return (sums[has] / counts[has]).sum() / has.sum().clamp(min=1)
     raise ValueError(f"unknown aggregation {how!r}")
 
 
