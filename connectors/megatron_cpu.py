@@ -1,0 +1,85 @@
+"""megatron-core 0.16 on a machine without CUDA: the few spots that hard-code the GPU.
+
+Applied by `apply()` only when CUDA is absent, so the same learner code runs unpatched on
+GPU. Each patch names the megatron-core function it covers; `tests/test_megatron_cpu.py`
+fails loudly if an upgrade moves or changes them (the version is pinned below).
+
+Covered (FACTS.md, "megatron-core 0.16.1 on CPU"):
+- RoPE `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()`;
+- `utils.GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()`;
+- `transformer.utils.get_default_causal_mask` builds its mask with device="cuda" (used by the
+  fused softmax when no mask is passed);
+- the tensor-parallel RNG tracker reads `torch.cuda.get_rng_state`: seed with
+  `seed_cpu(seed)` (a tracker that forks nothing; the RL learner uses no dropout).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+PINNED = "0.16"  # the megatron-core minor these patches were written against
+_applied = False
+
+
+class _CpuCuda:
+    """Stands in for `torch.cuda` inside a patched module: the "current device" is the CPU."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _torch_on_cpu() -> types.ModuleType:
+    """A view of `torch` whose `.cuda.current_device()` is "cpu", for module globals."""
+    proxy = types.ModuleType("torch_on_cpu")
+    proxy.__dict__.update({k: v for k, v in torch.__dict__.items() if not k.startswith("__")})
+    proxy.cuda = _CpuCuda()  # type: ignore[attr-defined]
+    return proxy
+
+
+def _causal_mask_cpu(sq: int) -> torch.Tensor:
+    return torch.ones(sq, sq, dtype=torch.bool).triu(1)  # True = masked, as megatron expects
+
+
+def check_version() -> str:
+    from importlib.metadata import version
+
+    v = version("megatron-core")
+    if not v.startswith(PINNED + "."):
+        raise RuntimeError(f"connectors/megatron_cpu.py was written for megatron-core {PINNED}.x, found {v}: "
+                           "re-check each patched spot (tests/test_megatron_cpu.py) and update PINNED")
+    return v
+
+
+def apply(force: bool = False) -> bool:
+    """Patch megatron-core for CPU; a no-op when CUDA is present (unless `force`). Idempotent."""
+    global _applied
+    if _applied or (torch.cuda.is_available() and not force):
+        return _applied
+    check_version()
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
+    import megatron.core.transformer.utils as tutils
+    import megatron.core.utils as mutils
+
+    cpu_torch = _torch_on_cpu()
+    rope.torch = cpu_torch  # get_emb: inv_freq.to(torch.cuda.current_device())
+    mutils.torch = cpu_torch  # GlobalMemoryBuffer.get_tensor: torch.empty(device=current_device())
+    tutils.get_default_causal_mask = _causal_mask_cpu
+    fused_softmax.get_default_causal_mask = _causal_mask_cpu  # imported by name there
+    _applied = True
+    return True
+
+
+def seed_cpu(seed: int) -> None:
+    """Seed torch and install megatron's no-op RNG tracker (no CUDA RNG state exists here)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
