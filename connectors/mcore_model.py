@@ -1,0 +1,79 @@
+"""A megatron-core GPTModel from an HF checkpoint directory (Llama / Qwen2) through mbridge,
+and its weights back under HF names (for the broadcaster and `save_pretrained`).
+
+On CPU (no TransformerEngine) the model uses megatron's local layer spec, whose layernorms
+are separate modules (`input_layernorm`, `pre_mlp_layernorm`) instead of TE's fused
+`layer_norm_weight`s: `_local_spec` adds those names to the bridge's mappings. The model is
+built with the bridge's own provider rather than `bridge.get_model`, which moves it to CUDA.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _has_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _local_spec(cls: type) -> type:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    class LocalSpecBridge(cls):  # type: ignore[misc, valid-type]
+        _OTHER_MAPPING = {**cls._OTHER_MAPPING,
+                          "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+        _MLP_MAPPING = {**cls._MLP_MAPPING,
+                        "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
+
+        def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> Any:
+            return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+
+    LocalSpecBridge.__name__ = f"LocalSpec{cls.__name__}"
+    return LocalSpecBridge
+
+
+def make_bridge(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """An mbridge Bridge for the directory's architecture (megatron parallel state must exist)."""
+    from mbridge.core.bridge import _MODEL_REGISTRY
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(model_dir))
+    if getattr(hf, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
+        hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    cls = _MODEL_REGISTRY[hf.model_type]
+    if not _has_te():
+        cls = _local_spec(cls)
+    bridge = cls(hf, dtype=dtype)
+    cfg = bridge.config
+    cfg.params_dtype, cfg.bf16, cfg.fp16 = dtype, dtype == torch.bfloat16, dtype == torch.float16
+    cfg.use_cpu_initialization = not torch.cuda.is_available()
+    cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    return bridge
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(GPTModel with the directory's weights, bridge). Needs megatron's parallel state."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    bridge = make_bridge(model_dir, dtype)
+    model = bridge._model_provider([])(pre_process=mpu.is_pipeline_first_stage(),
+                                       post_process=mpu.is_pipeline_last_stage())
+    for p in model.parameters():
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    bridge.load_weights([model], str(model_dir))
+    return model, bridge
+
+
+def hf_state_dict(model: Any, bridge: Any) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names (gathered across tensor parallel ranks)."""
+    return {name: t.detach().cpu() for name, t in bridge.export_weights([model])}
