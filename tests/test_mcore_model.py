@@ -63,3 +63,56 @@ def test_mbridge_qwen2_and_llama_match_transformers(tmp_path: Path) -> None:
     for d, res in results.items():
         assert res["logit_diff"] < 1e-5, (d, res)
         assert res["missing"] == [] and res["weight_diff"] == 0.0, (d, res)
+
+
+LOGPROB_SCRIPT = textwrap.dedent("""
+    import sys, json, threading, torch, torch.distributed as dist
+    from connectors import megatron_cpu
+    megatron_cpu.apply()
+    from megatron.core import parallel_state
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    megatron_cpu.seed_cpu(0)
+    from connectors.engine_core import EngineCore, GenRequest
+    from connectors.mcore_batch import TokenBatch, logprobs_and_entropy
+    from connectors.mcore_model import load_model
+    eng = EngineCore(sys.argv[2])
+    threading.Thread(target=eng.run, daemon=True).start()
+    done, ev = [], threading.Event()
+    def cb(r):
+        done.append(r)
+        if len(done) == 6:
+            ev.set()
+    for i in range(6):  # different prompt and response lengths: the learner batch is padded
+        eng.submit(GenRequest(rid=str(i), input_ids=list(range(3, 6 + i)), max_new_tokens=12 + i,
+                              temperature=float(sys.argv[3]), ignore_eos=True, sampling_seed=i, on_done=cb))
+    assert ev.wait(120)
+    eng.stop()
+    done.sort(key=lambda r: int(r.rid))
+    model, _ = load_model(sys.argv[2])
+    b = TokenBatch([(r.input_ids, r.output_ids) for r in done])
+    with torch.no_grad():
+        logp, ent = logprobs_and_entropy(model(b.ids, b.positions, b.attn_mask), b.ids, float(sys.argv[3]))
+    diff = max((got - torch.tensor(r.logprobs)).abs().max().item() for got, r in zip(b.response_values(logp), done))
+    ratio = torch.exp(logp - b.scatter([r.logprobs for r in done]))[b.resp_mask.bool()]
+    print(json.dumps({"diff": diff, "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
+                      "tokens": int(b.resp_mask.sum()), "entropy_ok": bool((ent >= 0).all())}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_learner_logprobs_equal_engine_rollout_logprobs(tmp_path: Path, temperature: float) -> None:
+    import json
+
+    from connectors.model_kit import init_model_dir
+    from connectors.router import free_port
+
+    d = init_model_dir(tmp_path / "m", "tiny")
+    r = subprocess.run([sys.executable, "-c", LOGPROB_SCRIPT, str(free_port()), str(d), str(temperature)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["tokens"] == sum(12 + i for i in range(6)) and res["entropy_ok"]
+    assert res["diff"] < 1e-4, res
+    assert abs(res["ratio_min"] - 1) < 1e-4 and abs(res["ratio_max"] - 1) < 1e-4, res
