@@ -26,6 +26,12 @@ from streamrl import algorithms as alg
 
 def init_single_process(port: int, seed: int = 0) -> None:
     """torch.distributed (gloo, world size 1) + megatron parallel state + CPU patches."""
+    init_distributed(port, rank=0, world_size=1, tp=1, seed=seed)
+
+
+def init_distributed(port: int, rank: int, world_size: int, tp: int = 1, seed: int = 0) -> None:
+    """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
+    with tensor parallel size `tp` (data parallel = world_size / tp), CPU patches, seeds."""
     import torch.distributed as dist
 
     from connectors import megatron_cpu
@@ -34,15 +40,37 @@ def init_single_process(port: int, seed: int = 0) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         megatron_cpu.seed_cpu(seed)
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather vocab shards of the logits. Every tensor-parallel rank then computes the same
+    loss, so the gradient of a rank's own shard is just its slice (no reduction, which would
+    count the loss once per rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(shard) for _ in range(ctx.size)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
 
 
 @dataclass
@@ -91,12 +119,19 @@ class MegatronLearner:
         self.micro_batch_size = micro_batch_size
         self.version = 0  # +1 per optimizer step
         self.device = next(self.model.parameters()).device
+        from megatron.core import parallel_state as mpu
+
+        self.tp, self.tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
+        self.dp, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        self.dp_group = mpu.get_data_parallel_group()
 
     # ------------------------------------------------------------ pieces
 
     def _forward(self, model: Any, batch: TokenBatch, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = model(batch.ids, batch.positions, batch.attn_mask)
+        if self.tp > 1:  # the output layer is vocab-parallel: gather the full vocabulary
+            logits = _GatherVocab.apply(logits, self.tp_group)
         return logprobs_and_entropy(logits, batch.ids, temperature, with_entropy)
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[list[Sample]]:
@@ -109,8 +144,45 @@ class MegatronLearner:
             out[-1].append(s)
         return out
 
+    def _grad_norm_and_clip(self) -> float:
+        """Global L2 norm over all ranks' gradients, then clip. Tensor-parallel shards are summed
+        across the TP group; replicated parameters (norms) count once; after the DP all-reduce
+        every data-parallel rank holds the same gradients."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.dp > 1:
+            for g in grads:
+                dist.all_reduce(g, group=self.dp_group)  # losses are pre-weighted: a sum is the full-batch grad
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            sq = p.grad.double().pow(2).sum().cpu()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        norm = float((sharded + replicated).sqrt())
+        coef = self.grad_clip / (norm + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def _shard(self, items: Sequence[Any], key: Any) -> list[Any]:
+        """This data-parallel rank's share: whole groups (by `key`), round robin."""
+        if self.dp == 1:
+            return list(items)
+        keys = sorted({key(x) for x in items})
+        mine = set(keys[self.dp_rank::self.dp])
+        return [x for x in items if key(x) in mine]
+
     def _step(self) -> dict[str, float]:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        grad_norm = self._grad_norm_and_clip()
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -135,6 +207,7 @@ class MegatronLearner:
         """Cross-entropy on response tokens (token mean over the whole batch)."""
         self.model.train()
         total = sum(len(r) for _, r in rows)
+        rows = [r for _, r in self._shard(list(enumerate(rows)), key=lambda x: x[0])]
         loss_sum = 0.0
         for i in range(0, len(rows), self.micro_batch_size):
             b = TokenBatch(rows[i: i + self.micro_batch_size]).to(self.device)
@@ -142,15 +215,27 @@ class MegatronLearner:
             loss = -(logp * b.resp_mask).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
-        return {"loss": loss_sum, **self._step()}
+        return {"loss": self._dp_sum(loss_sum), **self._step()}
+
+    def _dp_sum(self, x: float, op: str = "sum") -> float:
+        if self.dp == 1:
+            return x
+        import torch.distributed as dist
+
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM, group=self.dp_group)
+        return float(t)
 
     def rl_step(self, samples: Sequence[Sample], cfg: RLConfig) -> dict[str, float]:
         """One policy-gradient step. The proximal policy is the learner before the step
         (its recomputed log-probs), so on fresh on-policy data the ratio is exactly 1."""
         self.model.train()
+        everything = samples
+        samples = self._shard(samples, key=lambda s: s.group)
         mbs = self._micro_batches(samples)
         prox = self.logprobs(samples, cfg.temperature)
         ref = self.logprobs(samples, cfg.temperature, reference=True) if cfg.kl_coef > 0 else None
+        samples = everything  # the aggregation unit is the whole batch's
         unit = {"token": sum(sum(s.loss_mask) if s.loss_mask is not None else len(s.response) for s in samples),
                 "seq": len(samples),
                 "group": len({s.group for s in samples})}[cfg.loss_agg]
@@ -193,6 +278,9 @@ class MegatronLearner:
             stats["ratio_max"] = max(stats["ratio_max"], float(pst["ratio_max"]))
             stats["clip_frac"] += float(pst["clip_frac"]) * tok_share
             k += n
+        for key in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac"):
+            stats[key] = self._dp_sum(stats[key])
+        stats["ratio_max"] = -self._dp_sum(-stats["ratio_max"], op="min") if self.dp > 1 else stats["ratio_max"]
         return {**stats, **self._step()}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

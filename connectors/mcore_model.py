@@ -55,6 +55,8 @@ def make_bridge(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> An
     cfg.params_dtype, cfg.bf16, cfg.fp16 = dtype, dtype == torch.bfloat16, dtype == torch.float16
     cfg.use_cpu_initialization = not torch.cuda.is_available()
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    if not _has_te():
+        cfg.sequence_parallel = False  # mbridge turns it on with TP; it needs TE/Apex norms
     return bridge
 
 
