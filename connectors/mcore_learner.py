@@ -88,6 +88,12 @@ class RLConfig:
     tis_cap: float = 2.0
     temperature: float = 1.0  # rollout temperature: log-probs are of softmax(logits / T)
 
+    @classmethod
+    def from_recipe(cls, learner: Any, temperature: float) -> RLConfig:
+        """From a recipe's `learner:` section (streamrl.recipe.LearnerCfg) and rollout temperature."""
+        return cls(**{f: getattr(learner, f) for f in cls.__dataclass_fields__ if f != "temperature"},
+                   temperature=temperature)
+
 
 @dataclass
 class Sample:

@@ -399,3 +399,12 @@ def test_cli_check_missing_file_exits_2(tmp_path):
     p = _check(str(tmp_path / "absent.yaml"))
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert "absent.yaml" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_learner_section_maps_onto_the_rl_objective():
+    from connectors.mcore_learner import RLConfig
+
+    r = load_recipe(QUICKSTART, ["learner.off_policy=decoupled", "learner.dual_clip=3", "learner.loss_agg=group",
+                                 "rollout.temperature=0.7"])
+    cfg = RLConfig.from_recipe(r.learner, r.rollout.temperature)
+    assert (cfg.off_policy, cfg.dual_clip, cfg.loss_agg, cfg.temperature) == ("decoupled", 3.0, "group", 0.7)
