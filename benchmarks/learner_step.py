@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""Learner step throughput: one RL training step of the megatron-core learner
+(connectors.mcore_learner.MegatronLearner.rl_step) against a plain transformers model of the
+same weights doing the same step, on the same batch, per model_kit preset.
+
+The transformers side is written out by hand to do what rl_step does: the proximal
+log-probs (a no-grad forward per micro-batch), then per micro-batch a forward,
+`logprobs_and_entropy`, `streamrl.algorithms.policy_loss`, backward of the share-weighted
+loss; then global-norm grad clip and a torch AdamW step. Both sides use the same
+micro-batches (whole groups), the same TokenBatch padding and the same loss code, so the
+difference is the model: megatron's GPTModel (local layer spec on CPU) vs transformers'
+Qwen2ForCausalLM. Both run in this one process (megatron's parallel state set up once; the
+transformers model does not use it), and their timed steps alternate, so load from other
+jobs on the machine hits both alike. Prints one JSON object on stdout (progress on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
+
+import torch  # noqa: E402
+
+from benchmarks._report import emit, git_rev, machine  # noqa: E402
+
+FIGURES = """
+method: a fixed batch of --samples rows in groups of --group-size (GRPO: random 0/1 rewards
+per row, advantages by streamrl.algorithms.group_advantages(..., "grpo")), random token ids,
+prompt lengths uniform in [--prompt-len * 3/4, --prompt-len * 5/4] and response lengths
+likewise around --response-len; micro-batches of --micro-batch-size rows (whole groups).
+Objective: RLConfig defaults (token aggregation, clip 0.2 / 0.28, no KL, no entropy bonus, on
+policy), AdamW at --lr, grad clip 1.0. Every step of both sides trains on that same batch.
+Per preset, each side first takes --warmup untimed steps (the first one's stats are the
+agreement check below); then --steps rounds, each timing one megatron step and one
+transformers step (the order swaps every round).
+
+figures:
+  presets.<preset>       one entry per model_kit preset
+    megatron             MegatronLearner.rl_step (megatron-core GPTModel)
+    transformers         the hand-written equivalent on AutoModelForCausalLM
+      step_s_median / step_s_p90  wall time of one whole step (prox log-probs, forward and
+                         backward of every micro-batch, clip, optimizer step), over --steps
+      step_s_by_round    each timed step, in order: the spread is the machine's noise
+      samples_per_s      --samples / step_s_median
+      tokens_per_s       prompt + response tokens of the batch (unpadded) / step_s_median
+      response_tokens_per_s  response (trained) tokens / step_s_median
+    megatron_over_transformers  megatron samples_per_s / transformers samples_per_s
+                         (= transformers median step time / megatron median step time):
+                         above 1 the megatron learner is faster
+    megatron_over_transformers_by_round  the same ratio from each round's pair of steps
+    agreement            the first (warm-up) step of each side, fresh weights, same batch:
+                         loss, grad_norm, entropy per side, and grad_norm_rel_diff; both
+                         compute the same function, so they agree to float32 rounding
+    model                parameters (the tied lm_head counted once), layers, hidden size,
+                         transformers' attention implementation
+  batch                  samples, groups, micro-batches, prompt / response / total tokens,
+                         padded tokens per step (the padded [B, T] positions both sides compute)
+  config                 torch_threads / torch_interop_threads (set explicitly: more threads
+                         than free cores makes CPU training collapse on a busy box), warmup,
+                         steps, micro_batch_size, lr
+  machine                cpus, 1-minute loadavg at start and end (anything above ~0 on this box is
+                         other jobs competing for the cores: every figure gets noisier), versions
+  wall_s                 the whole run, model building and warm-up included
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+# ---------------------------------------------------------------- the transformers side
+
+
+class TransformersLearner:
+    """What MegatronLearner.rl_step does, on a transformers causal LM (no LR warm-up)."""
+
+    def __init__(self, model_dir: Path, lr: float, grad_clip: float, micro_batch_size: int,
+                 attention: str = "sdpa") -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                          attn_implementation=attention)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+        self.grad_clip = grad_clip
+        self.micro_batch_size = micro_batch_size
+
+    def _micro_batches(self, samples: Sequence[Any]) -> list[list[Any]]:
+        from connectors.mcore_learner import MegatronLearner
+
+        return MegatronLearner._micro_batches(self, samples)  # type: ignore[arg-type]  # same split
+
+    def _forward(self, b: Any, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from connectors.mcore_batch import logprobs_and_entropy
+
+        # Right padding: the causal mask alone keeps pads away from real tokens, as in TokenBatch.
+        logits = self.model(input_ids=b.ids, position_ids=b.positions).logits
+        return logprobs_and_entropy(logits, b.ids, temperature, with_entropy)
+
+    def rl_step(self, samples: Sequence[Any], cfg: Any) -> dict[str, float]:
+        from connectors.mcore_batch import TokenBatch
+        from streamrl import algorithms as alg
+
+        self.model.train()
+        mbs = self._micro_batches(samples)
+        prox: list[torch.Tensor] = []
+        with torch.no_grad():
+            for mb in mbs:
+                b = TokenBatch([(s.prompt, s.response) for s in mb])
+                logp, _ = self._forward(b, cfg.temperature, False)
+                prox.extend(b.response_values(logp))
+        unit = sum(len(s.response) for s in samples)  # token aggregation, no loss masks
+        stats = {"loss": 0.0, "entropy": 0.0}
+        k = 0
+        for mb in mbs:
+            b = TokenBatch([(s.prompt, s.response) for s in mb])
+            n = len(mb)
+            mask = b.resp_mask
+            old = b.scatter(prox[k: k + n])
+            adv = alg.tokens_from_samples(torch.tensor([s.advantage for s in mb]), b.resp_mask)
+            groups = torch.tensor([s.group for s in mb])
+            logp, ent = self._forward(b, cfg.temperature, True)
+            pg, _ = alg.policy_loss(logp, old, adv, mask, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip,
+                                    None, cfg.loss_agg, groups)
+            entropy = alg.aggregate(ent.detach(), mask, cfg.loss_agg, groups)  # type: ignore[union-attr]
+            share = float(mask.sum()) / unit
+            (pg * share).backward()
+            stats["loss"] += float(pg.detach()) * share
+            stats["entropy"] += float(entropy) * share
+            k += n
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {**stats, "grad_norm": float(grad_norm)}
+
+
+# ---------------------------------------------------------------- batch and measurement
+
+
+def make_batch(args: argparse.Namespace, vocab: int) -> list[Any]:
+    from connectors.mcore_learner import Sample
+    from streamrl.algorithms import group_advantages
+
+    rng = random.Random(0)
+    groups = args.samples // args.group_size
+    rewards = torch.tensor([[float(rng.random() < 0.5) for _ in range(args.group_size)] for _ in range(groups)])
+    for row in rewards:  # GRPO needs spread inside a group for nonzero advantages
+        if row.min() == row.max():
+            row[0] = 1.0 - row[0]
+    adv = group_advantages(rewards, "grpo").flatten().tolist()
+
+    def length(mean: int) -> int:
+        return rng.randint(max(1, mean * 3 // 4), max(1, mean * 5 // 4))
+
+    # ids from 3 up: no special tokens (0-2), though the model would not care
+    return [Sample(prompt=[rng.randrange(3, vocab) for _ in range(length(args.prompt_len))],
+                   response=[rng.randrange(3, vocab) for _ in range(length(args.response_len))],
+                   advantage=adv[i], group=i // args.group_size) for i in range(groups * args.group_size)]
+
+
+def side_summary(times: list[float], batch: dict[str, int]) -> dict[str, Any]:
+    med = statistics.median(times)
+    return {"step_s_median": round(med, 4), "step_s_p90": round(pct(times, 0.9), 4),
+            "step_s_by_round": [round(t, 4) for t in times],
+            "samples_per_s": round(batch["samples"] / med, 2),
+            "tokens_per_s": round(batch["tokens"] / med, 1),
+            "response_tokens_per_s": round(batch["response_tokens"] / med, 1)}
+
+
+def first_stats(r: dict[str, float], digits: int | None = 6) -> dict[str, float]:
+    return {k: round(float(r[k]), digits) if digits else float(r[k]) for k in ("loss", "grad_norm", "entropy")}
+
+
+def bench_preset(preset: str, args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    from connectors.mcore_learner import MegatronLearner, RLConfig
+    from connectors.model_kit import PRESETS, init_model_dir
+
+    log(f"{preset}: building the model in {work / preset}")
+    model_dir = init_model_dir(work / preset, preset=preset)
+    mg = MegatronLearner(model_dir, lr=args.lr, grad_clip=1.0, micro_batch_size=args.micro_batch_size)
+    hf = TransformersLearner(model_dir, lr=args.lr, grad_clip=1.0, micro_batch_size=args.micro_batch_size,
+                             attention=args.hf_attention)
+    vocab = hf.model.config.vocab_size
+    samples = make_batch(args, vocab)
+    mbs = mg._micro_batches(samples)
+    batch = {"samples": len(samples), "groups": len({s.group for s in samples}), "micro_batches": len(mbs),
+             "prompt_tokens": sum(len(s.prompt) for s in samples),
+             "response_tokens": sum(len(s.response) for s in samples),
+             "padded_tokens": sum(len(mb) * max(len(s.prompt) + len(s.response) for s in mb) for mb in mbs)}
+    batch["tokens"] = batch["prompt_tokens"] + batch["response_tokens"]
+    cfg = RLConfig()
+    sides = {"megatron": lambda: mg.rl_step(samples, cfg), "transformers": lambda: hf.rl_step(samples, cfg)}
+
+    first: dict[str, dict[str, float]] = {}
+    for name, step in sides.items():
+        for w in range(args.warmup):
+            t = time.perf_counter()
+            r = step()
+            if w == 0:
+                first[name] = first_stats(r, None)
+            log(f"{preset}: warm-up {name:12} {time.perf_counter() - t:6.3f} s  {first_stats(r)}")
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for k in range(args.steps):
+        order = list(sides) if k % 2 == 0 else list(reversed(sides))
+        for name in order:
+            t = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - t)
+        log(f"{preset}: round {k + 1}/{args.steps}  megatron {times['megatron'][-1]:6.3f} s  "
+            f"transformers {times['transformers'][-1]:6.3f} s")
+
+    out: dict[str, Any] = {name: side_summary(times[name], batch) for name in sides}
+    out["megatron_over_transformers"] = round(out["megatron"]["samples_per_s"] / out["transformers"]["samples_per_s"], 3)
+    out["megatron_over_transformers_by_round"] = [round(h / m, 3) for m, h in zip(times["megatron"],
+                                                                                   times["transformers"])]
+    gm, gh = first["megatron"]["grad_norm"], first["transformers"]["grad_norm"]
+    out["agreement"] = {**{name: first_stats(r) for name, r in first.items()},
+                        "grad_norm_rel_diff": float(f"{abs(gm - gh) / max(abs(gh), 1e-12):.2e}"),
+                        "loss_abs_diff": float(f"{abs(first['megatron']['loss'] - first['transformers']['loss']):.2e}")}
+    cfg_p = PRESETS[preset]
+    out["model"] = {"parameters": sum(p.numel() for p in hf.model.parameters()),  # tied weight counted once
+                    "layers": cfg_p["num_hidden_layers"], "hidden_size": cfg_p["hidden_size"],
+                    "transformers_attention": hf.model.config._attn_implementation}
+    del mg, hf, sides
+    gc.collect()
+    return out, batch
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, epilog=FIGURES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="2 warm-up steps and 8 timed rounds per side and preset (about 30 s on an idle box)")
+    ap.add_argument("--presets", nargs="+", choices=("tiny", "small"), default=["tiny", "small"],
+                    help="model_kit presets to measure (default: tiny small)")
+    ap.add_argument("--samples", type=int, default=16, help="rows per RL batch (default 16)")
+    ap.add_argument("--group-size", type=int, default=4, help="GRPO group size (default 4; --samples is rounded down "
+                    "to whole groups)")
+    ap.add_argument("--prompt-len", type=int, default=16, help="mean prompt length in tokens (default 16)")
+    ap.add_argument("--response-len", type=int, default=128, help="mean response length in tokens (default 128)")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="rows per micro-batch (default 8)")
+    ap.add_argument("--warmup", type=int, help="untimed steps per side and preset (default 3, quick 2)")
+    ap.add_argument("--steps", type=int, help="timed rounds, one step per side each (default 30, quick 8)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch.set_num_threads (default: one per core, %(default)s here)")
+    ap.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
+                    help="transformers attention implementation (default sdpa, transformers' own default; eager "
+                    "materialises the [T, T] scores, as megatron's local DotProductAttention does)")
+    ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
+    args = ap.parse_args()
+    args.warmup = max(1, args.warmup if args.warmup is not None else (2 if args.quick else 3))
+    args.steps = max(1, args.steps if args.steps is not None else (8 if args.quick else 30))
+    if args.samples < args.group_size:
+        ap.error("--samples must be at least --group-size")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally block on kill, too
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # megatron / mbridge warn at import that there is no TransformerEngine / Apex (expected on CPU)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|mbridge)(\.|$)")
+    wall0, load0 = time.perf_counter(), os.getloadavg()[0]
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)  # nothing here runs ops in parallel; must precede any parallel work
+    except RuntimeError:
+        pass
+    torch.manual_seed(0)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no weight-loading / shard-writing bars on stderr
+
+    from connectors.mcore_learner import init_single_process
+    from connectors.router import free_port
+
+    init_single_process(free_port())  # megatron parallel state and gloo group, once for every preset
+    (REPO / "runs").mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="learner_step-", dir=REPO / "runs"))
+    presets: dict[str, Any] = {}
+    batch: dict[str, int] = {}
+    try:
+        for preset in args.presets:
+            presets[preset], batch = bench_preset(preset, args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result = {
+        "benchmark": "learner_step", "quick": args.quick,
+        "megatron_over_transformers": {p: r["megatron_over_transformers"] for p, r in presets.items()},
+        "presets": presets,
+        "batch": batch,
+        "config": {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+                   "warmup": args.warmup, "steps": args.steps, "micro_batch_size": args.micro_batch_size,
+                   "group_size": args.group_size, "lr": args.lr, "loss_agg": "token", "advantages": "grpo",
+                   "dtype": "float32", "transformers_attention": args.hf_attention},
+        "git": git_rev(),
+        "machine": machine(load0, ("torch", "transformers", "megatron-core", "mbridge")),
+        "wall_s": round(time.perf_counter() - wall0, 1),
+    }
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
