@@ -14,8 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_rev() -> str:
-    return subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                          capture_output=True, text=True).stdout.strip()
+    """The commit measured, `-dirty` when anything (untracked files too) differs from it."""
+    git = ["git", "-C", str(REPO)]
+    rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+    return rev + ("-dirty" if dirty else "")
 
 
 def machine(load0: float, packages: tuple[str, ...]) -> dict[str, Any]:
