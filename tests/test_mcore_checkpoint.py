@@ -16,23 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(script: str, *args: str) -> dict:
-    from connectors.router import free_port
-
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(free_port()), *args], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from connectors.model_kit import init_model_dir
-
-    return init_model_dir(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny")
+from learnerkit import REPO, model_dir, run_script  # noqa: F401 - model_dir is a fixture
 
 
 # ---------------------------------------------------------------- (1) resume is exact
@@ -75,7 +59,7 @@ TRAIN = """
 @pytest.fixture(scope="module")
 def first_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
     d = tmp_path_factory.mktemp("first")
-    res = _run(TRAIN, str(model_dir), str(d / "ckpt"), "first", str(d / "final.safetensors"))
+    res = run_script(TRAIN, str(model_dir), str(d / "ckpt"), "first", str(d / "final.safetensors"))
     return d / "ckpt", d / "final.safetensors", res
 
 
@@ -86,7 +70,7 @@ def test_resume_from_a_checkpoint_repeats_the_run_exactly(model_dir: Path, first
 
     root, final, first = first_run
     assert (root / "latest").read_text().strip() == "step_00000002"
-    resumed = _run(TRAIN, str(model_dir), str(root), "resume", str(tmp_path / "final.safetensors"))
+    resumed = run_script(TRAIN, str(model_dir), str(root), "resume", str(tmp_path / "final.safetensors"))
     assert resumed["start"] == first["start"] == 2 and resumed["version"] == first["version"] == 4
     assert resumed["extra"] == {"rows_seen": 32}
     assert resumed["last_epoch"] == first["last_epoch"]
@@ -336,7 +320,7 @@ def test_export_hf_loads_in_transformers_with_the_learner_logits(model_dir: Path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "export" / "hf"
-    res = _run(EXPORT, str(model_dir), str(out), str(tmp_path / "logits.pt"))
+    res = run_script(EXPORT, str(model_dir), str(out), str(tmp_path / "logits.pt"))
     assert res["version"] == 2
     assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # no temp dirs left
     ref = torch.load(tmp_path / "logits.pt")

@@ -3,31 +3,11 @@ on-policy rollouts has importance ratio exactly 1 and KL to the reference exactl
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(script: str, *args: str) -> dict:
-    from connectors.router import free_port
-
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(free_port()), *args], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from connectors.model_kit import init_model_dir
-
-    return init_model_dir(tmp_path_factory.mktemp("learner") / "tiny", "tiny")
+from learnerkit import model_dir, run_script  # noqa: F401 - model_dir is a fixture
 
 
 SFT = """
@@ -51,7 +31,7 @@ SFT = """
 
 @pytest.mark.slow
 def test_sft_lowers_the_loss_in_under_a_minute(model_dir: Path) -> None:
-    res = _run(SFT, str(model_dir))
+    res = run_script(SFT, str(model_dir))
     assert res["version"] == 100
     assert res["last"] < 0.5 * res["first"], res
     assert res["seconds"] < 60, res
@@ -92,7 +72,7 @@ RL = """
 @pytest.mark.slow
 @pytest.mark.parametrize("off_policy", ["none", "tis", "decoupled"])
 def test_first_step_on_fresh_on_policy_data_has_ratio_one_and_zero_kl(model_dir: Path, off_policy: str) -> None:
-    res = _run(RL, str(model_dir), off_policy)
+    res = run_script(RL, str(model_dir), off_policy)
     first, second = res["first"], res["second"]
     assert first["ratio_mean"] == 1.0 and first["ratio_max"] == 1.0 and first["clip_frac"] == 0.0, first
     assert first["kl"] == 0.0, first
