@@ -231,13 +231,14 @@ class LancePool:
             self.commits += 1
         # The last write of a group in this flush wins; earlier ones never reach the disk.
         seen: set[str] = set()
-        writes: list[tuple[str, pa.Table]] = []
+        writes: list[tuple[str, pa.Table, set[str]]] = []
         for it in reversed([it for it in batch if it.kind != "admit"]):
             t = it.table
             if seen:
                 t = t.filter(pc.invert(pc.is_in(t["group_id"], value_set=pa.array(list(seen), pa.string()))))
-            seen.update(t["group_id"].to_pylist())
-            writes.append((it.kind, t))
+            ids = set(t["group_id"].to_pylist())
+            seen |= ids
+            writes.append((it.kind, t, ids))
         if not writes:
             return
         # A finished group replaces the partial stored before it, also by an earlier process
@@ -246,7 +247,7 @@ class LancePool:
             self._partial_ids = set(self.scan(["group_id"], where="status = 'partial'")["group_id"].to_pylist())
         stored_partial = pa.array(list(self._partial_ids & seen), pa.string())
         plain, upsert = [], []
-        for kind, t in writes:
+        for kind, t, _ in writes:
             replaces = pc.is_in(t["group_id"], value_set=stored_partial)
             if kind == "partial":
                 upsert.append(t)
@@ -264,8 +265,7 @@ class LancePool:
                              .when_matched_update_all(where="target.status = 'partial'")
                              .when_not_matched_insert_all().execute(upsert_t))
             self.commits += 1
-        for kind, t in writes:
-            ids = set(t["group_id"].to_pylist())
+        for kind, _, ids in writes:
             if kind == "partial":
                 self._partial_ids |= ids
             else:
