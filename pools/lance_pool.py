@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from streamrl.ledger import compute_ledger
 from streamrl.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup, now_ns
 
 POOL_TABLE, ADMISSIONS_TABLE = "pool", "admissions"
+Select = Callable[[list[SampleGroup]], tuple[list[SampleGroup], dict[str, str]]]
 _CONFLICT_RETRIES = 20
 COMPACT_TARGET_ROWS = 16384
 
@@ -152,6 +153,12 @@ class LancePool:
 
     def admit(self, admissions: Sequence[Admission]) -> None:
         self._submit("admit", admissions_to_table(admissions)).result()
+
+    async def admit_async(self, admissions: Sequence[Admission]) -> None:
+        await asyncio.wrap_future(self._submit("admit", admissions_to_table(admissions)))
+
+    async def save_partial_async(self, groups: Sequence[SampleGroup]) -> None:
+        await asyncio.wrap_future(self._submit_groups("partial", groups, False)[-1])
 
     def append(self, groups: Sequence[SampleGroup], *, admit: bool = False) -> None:
         """Store finished groups. `admit=True` also records their admission (for producers that
@@ -330,7 +337,11 @@ class LancePool:
         num_groups: int,
         max_staleness: int,
         policy: ConsumptionPolicy = "drop",
+        select: Select | None = None,
     ) -> Batch | None:
+        """`select(groups)` may pick which of the claimed groups are trained on: it returns the
+        kept groups and {group_id: reason} for the rest, which are stored as dropped with that
+        reason (over-sampling)."""
         cand = self.scan(["group_id", "created_ns", "min_version", "n_samples", "sample_index"],
                          where="status = 'complete'")
         firsts = cand.group_by("group_id").aggregate(
@@ -364,11 +375,24 @@ class LancePool:
         if len(take) < num_groups:
             return None
         rows = self.scan(where=f"group_id IN ({_quote(take)})")
-        _retry_conflicts(lambda: self._pool.update(
-            where=f"status = 'complete' AND group_id IN ({_quote(take)})",
-            values={"status": "consumed", "consumed_step": step, "consumed_version": learner_version,
-                    "claimed_ns": t}))
         by_id = {g.group_id: g for g in table_to_groups(rows)}
+        rejected: dict[str, str] = {}
+        if select is not None:
+            kept, rejected = select([by_id[g] for g in take])
+            take = [g.group_id for g in kept]
+        # Rejected first: a crash between the two commits leaves the kept groups complete, to
+        # be claimed again; no group is ever both trained on and dropped.
+        for reason in sorted(set(rejected.values())):
+            ids = [g for g, r in rejected.items() if r == reason]
+            _retry_conflicts(lambda: self._pool.update(
+                where=f"status = 'complete' AND group_id IN ({_quote(ids)})",
+                values={"status": "dropped", "drop_reason": reason, "claimed_ns": t,
+                        "consumed_version": learner_version}))
+        if take:
+            _retry_conflicts(lambda: self._pool.update(
+                where=f"status = 'complete' AND group_id IN ({_quote(take)})",
+                values={"status": "consumed", "consumed_step": step, "consumed_version": learner_version,
+                        "claimed_ns": t}))
         groups, masked = [], 0
         for gid in take:
             g = by_id[gid]
@@ -379,7 +403,8 @@ class LancePool:
                     masked += int(((s.loss_mask == 1) & (keep == 0)).sum())
                     s.loss_mask = s.loss_mask * keep
             groups.append(g)
-        return Batch(step=step, learner_version=learner_version, groups=groups, dropped=drop, masked_tokens=masked)
+        return Batch(step=step, learner_version=learner_version, groups=groups, dropped=drop, masked_tokens=masked,
+                     rejected=rejected)
 
     def compact(self) -> None:
         """Merge small fragments into ~16k-row ones (bounded, so a big fragment is not

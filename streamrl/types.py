@@ -160,6 +160,7 @@ class Batch(msgspec.Struct, kw_only=True):
     learner_version: int
     groups: list[SampleGroup]
     dropped: list[GroupId] = []  # stale groups dropped by this claim
+    rejected: dict[GroupId, str] = {}  # claimed but not trained on (over-sampling), with the reason
     masked_tokens: int = 0  # tokens whose loss mask the `mask` policy zeroed
 
     @property

@@ -510,6 +510,30 @@ def test_claim_takes_oldest_whole_groups_first_and_records_the_step(pool):
     assert led.consumed == 6 and led.balanced
 
 
+def test_claim_select_keeps_some_groups_and_drops_the_rest_in_the_same_commit(pool):
+    # Over-sampling: claim four, train on the two the selector keeps; the other two are
+    # stored as dropped with the selector's reason.
+    groups = [make_group(f"s{i}", n=2) for i in range(5)]
+    append_each(pool, groups)
+    seen: list[list[str]] = []
+
+    def select(gs):
+        seen.append([g.group_id for g in gs])
+        return [gs[1], gs[3]], {gs[0].group_id: "over_sampling", gs[2].group_id: "it's odd"}
+
+    b = pool.claim(step=7, learner_version=2, num_groups=4, max_staleness=BIG, select=select)
+    assert seen == [["s0", "s1", "s2", "s3"]]
+    assert [g.group_id for g in b.groups] == ["s1", "s3"]
+    assert b.rejected == {"s0": "over_sampling", "s2": "it's odd"}
+    st = group_status(pool)
+    assert st == {"s0": {"dropped"}, "s1": {"consumed"}, "s2": {"dropped"}, "s3": {"consumed"}, "s4": {"complete"}}
+    reasons = column_by_group(pool, "drop_reason")
+    assert reasons["s0"] == {"over_sampling"} and reasons["s2"] == {"it's odd"} and reasons["s1"] == {None}
+    assert column_by_group(pool, "consumed_step")["s1"] == {7}
+    led = pool.ledger()
+    assert (led.consumed, led.dropped, led.complete) == (2, 2, 1) and led.balanced
+
+
 def test_claim_orders_by_created_time_not_by_append_order(pool):
     pool.append([make_group("late", created_at=2_000)], admit=True)
     pool.append([make_group("early", created_at=1_000)], admit=True)
