@@ -19,7 +19,7 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 install: $(STAMP)
 
 quickstart: $(STAMP)
-	$(BIN)/streamrl demo recipes/quickstart.yaml
+	$(BIN)/streamrl run recipes/quickstart.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

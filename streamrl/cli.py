@@ -9,8 +9,9 @@ import sys
 from typing import Any
 
 EPILOG = """examples:
+  streamrl run recipes/quickstart.yaml                       # SFT warm-start, then streaming GRPO
+  streamrl run recipes/quickstart.yaml run.mode=lockstep run.steps=10 --run-dir runs/lockstep
   streamrl check recipes/quickstart.yaml rollout.n_samples=4
-  streamrl demo recipes/quickstart.yaml
   streamrl model init runs/models/tiny --preset tiny
   streamrl engine serve --model runs/models/tiny --port 30001
   streamrl pool stats runs/quickstart --json
@@ -39,14 +40,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("recipe")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. rollout.n_samples=4 (YAML values)")
 
-    d = sub.add_parser("demo", help="pool demo: simulated producers stream groups, a learner claims them",
-                       description="Runs the experience-pool demo for RECIPE: several producer threads stream "
-                                   "sample groups of a synthetic arithmetic task into RUN_DIR/pool under admission "
-                                   "control, some are interrupted by version bumps and resumed as partial rollouts, "
-                                   "and a learner loop claims batches under the staleness bound. No model is trained. "
-                                   "Each run replaces the pool a previous demo left in RUN_DIR.")
-    d.add_argument("recipe")
-    d.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    r = sub.add_parser("run", help="train: engines + router + learner + rollout workers on Ray",
+                       description="Run RECIPE: start a local Ray cluster (or join ray.address), the sglang-router, "
+                                   "engines.num engines and the megatron learner; warm-start with SFT when the recipe "
+                                   "has an sft: section; evaluate on data.eval_path; train run.steps steps in run.mode "
+                                   "(stream, lockstep or one_step_off); evaluate again. Writes RUN_DIR/metrics.jsonl "
+                                   "(one line per step), eval.jsonl, events.jsonl, run.log, checkpoints/, model/ (the "
+                                   "trained policy) and pool/. A new run replaces the logs and pool a previous run left "
+                                   "in RUN_DIR.")
+    r.add_argument("recipe")
+    r.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. run.mode=lockstep staleness.max_staleness=4")
+    r.add_argument("--run-dir", help="run directory (default: run.dir, else runs/<run.name>)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar or log lines (summary only)")
 
     m = sub.add_parser("model", help="build a tiny HF-format model and tokenizer locally (no download)")
     ms = m.add_subparsers(dest="model_cmd", required=True, metavar="ACTION")
@@ -118,11 +123,18 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
         return 0
-    if args.cmd == "demo":
-        from streamrl.demo import run_demo
+    if args.cmd == "run":
         from streamrl.recipe import load_recipe
+        from streamrl.run import run
+        from streamrl.runtime import RunFailed
 
-        return run_demo(load_recipe(args.recipe, args.overrides))
+        recipe = load_recipe(args.recipe, args.overrides)
+        try:
+            summary = run(recipe, args.run_dir, progress=not args.quiet)
+        except (RunFailed, FileExistsError) as e:
+            raise UsageError(str(e)) from None
+        _print_summary(summary)
+        return 0
     if args.cmd == "model":
         from connectors.model_kit import init_model_dir
 
@@ -179,6 +191,18 @@ def _pool_cmd(args: argparse.Namespace) -> int:
         print(f"wrote {n} rows to {args.out}")
         return 0
     raise AssertionError(args.pool_cmd)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    b, a = s.get("eval_before"), s.get("eval_after")
+    print(f"{s['mode']}: {s['steps']} steps -> policy version {s['policy_version']} in {s['rl_s']:.0f}s "
+          f"({s['samples_per_s']:.1f} samples/s; set-up {s['setup_s']:.0f}s), max staleness {s['staleness_max']}, "
+          f"engine restarts {s['engine_restarts']}")
+    if b and a:
+        print(f"held-out accuracy: {b['accuracy']:.3f} -> {a['accuracy']:.3f} (sampled, {a['samples_per_prompt']} per "
+              f"prompt); greedy {b['greedy_accuracy']:.3f} -> {a['greedy_accuracy']:.3f}")
+    print(f"trained model: {s['model']}; metrics: {s['run_dir']}/metrics.jsonl; "
+          f"pool: streamrl pool stats {s['run_dir']}")
 
 
 def _print_table(table: Any, fmt: str) -> None:

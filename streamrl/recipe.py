@@ -70,12 +70,26 @@ class RunCfg(_Cfg):
     seed: int = 0
     mode: Literal["stream", "lockstep", "one_step_off"] = "stream"
     steps: PosInt = 20
-    checkpoint_every: NonNegInt = 10
+    checkpoint_every: NonNegInt = 10  # learner steps between checkpoints; 0 = only at the end
+    eval_every: NonNegInt = 0  # learner steps between evaluations (besides before and after); 0 = none
+
+
+class RayCfg(_Cfg):
+    address: str | None = None  # join this cluster (e.g. "auto"); default: start a local one
+    num_cpus: PosInt | None = None  # logical CPUs of the local cluster; default: enough for every actor
+
+
+class ModelInit(_Cfg):
+    """Build the model directory locally when it does not exist (connectors/model_kit.py)."""
+
+    preset: Literal["tiny", "small"] = "tiny"
+    seed: int = 0
 
 
 class ModelCfg(_Cfg):
     path: str
     tokenizer: str | None = None  # default: the model directory
+    init: ModelInit | None = None  # build a tiny model at `path` first if it is missing
 
 
 class DataCfg(_Cfg):
@@ -85,6 +99,22 @@ class DataCfg(_Cfg):
     shuffle: bool = True
     seed: int = 0
     epochs: PosInt = 1
+    on_error: Literal["fail", "skip"] = "fail"  # malformed rows: stop before any work, or skip with a warning
+    eval_path: str | None = None  # held-out prompts (same keys), evaluated before and after training
+    eval_samples: PosInt = 4  # sampled responses per eval prompt (accuracy = mean over them)
+    eval_size: PosInt | None = None  # use only the first N eval prompts
+    generate: FnRef | None = None  # called as fn(out_dir=<dir of path>, **args) when `path` is missing
+
+
+class SftCfg(_Cfg):
+    """Supervised warm-start before RL (rows: prompt_key -> response_key)."""
+
+    path: str
+    steps: PosInt = 100
+    lr: PosFloat = 1e-3
+    batch_size: PosInt = 64
+    prompt_key: str = "prompt"
+    response_key: str = "response"
 
 
 class RolloutCfg(_Cfg):
@@ -94,8 +124,10 @@ class RolloutCfg(_Cfg):
     temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     top_p: Prob = 1.0
     top_k: int = -1
-    max_concurrency: PosInt = 64
-    fn: FnPath | None = None  # custom rollout function; default generates through the router
+    max_concurrency: PosInt = 64  # groups generating at once per worker
+    over_sampling: Annotated[float, msgspec.Meta(ge=1)] = 1.0  # claim this many x groups_per_step, train on the
+    # groups_per_step with the largest reward std (slime's over-sampling filter); the rest are dropped
+    workers: PosInt = 1  # rollout worker actors
 
 
 class StalenessCfg(_Cfg):
@@ -115,6 +147,8 @@ class LearnerCfg(_Cfg):
     """Optimisation and the RL objective (formulas: streamrl/algorithms/)."""
 
     lr: PosFloat = 1e-5
+    warmup_steps: NonNegInt = 0
+    threads: PosInt = 1  # torch CPU threads of the learner process
     micro_batch_size: PosInt = 8
     grad_clip: PosFloat = 1.0
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -131,9 +165,14 @@ class LearnerCfg(_Cfg):
 
 class EnginesCfg(_Cfg):
     num: PosInt = 1
-    backend: Literal["embedded", "sglang"] = "embedded"
+    backend: Literal["embedded", "sglang", "auto"] = "embedded"
     host: str = "127.0.0.1"
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
+    weight_sync: Literal["distributed", "disk"] = "distributed"  # how new versions reach the engines
+    tp: PosInt = 1  # SGLang tensor parallel size per engine
+    max_running: PosInt = 64  # embedded engine: requests decoded together
+    threads: PosInt = 1  # embedded engine: torch CPU threads
+    extra_args: list[str] = []  # SGLang launch_server arguments
 
 
 class Recipe(_Cfg):
@@ -148,6 +187,8 @@ class Recipe(_Cfg):
     pool: PoolCfg = msgspec.field(default_factory=PoolCfg)
     learner: LearnerCfg = msgspec.field(default_factory=LearnerCfg)
     engines: EnginesCfg = msgspec.field(default_factory=EnginesCfg)
+    sft: SftCfg | None = None
+    ray: RayCfg = msgspec.field(default_factory=RayCfg)
 
     @property
     def run_dir(self) -> Path:

@@ -248,3 +248,22 @@ def popen_python(code: str, *args: object, **kwargs: Any) -> subprocess.Popen[st
         [sys.executable, "-c", code, *map(str, args)],
         cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
     )
+
+
+# A character-level tokenizer for pool tests that decode stored tokens (no model needed).
+ALPHABET = list("0123456789+-*= ")
+EOS = "<eos>"
+
+
+def build_char_tokenizer(path: Path) -> object:
+    """A character-level tokenizer saved as tokenizer.json (no download needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate([EOS, *ALPHABET])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join back without spaces
+    tok.add_special_tokens([EOS])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return tok

@@ -1,5 +1,5 @@
 """The inspection CLI against real pools: stats, query (also while another process writes),
-show, export, bad paths; and the quick-start demo end to end."""
+show, export, bad paths."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from pools import LancePool
 from streamrl.cli import main
-from streamrl.demo import build_char_tokenizer
+from poolkit import build_char_tokenizer
 from streamrl.types import Admission, Sample, SampleGroup, VersionSpan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,14 +153,3 @@ def test_query_while_another_process_writes(tmp_path: Path) -> None:
     assert len(counts) >= 2 and counts[-1] > counts[0] > 0, counts
     r = _cli("pool", "stats", str(tmp_path), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["ledger"]["complete"] == 400
-
-
-@pytest.mark.slow
-def test_demo_end_to_end(tmp_path: Path) -> None:
-    r = _cli("demo", "recipes/quickstart.yaml", f"run.dir={tmp_path}", f"data.path={tmp_path}/data.jsonl", "run.steps=6")
-    assert r.returncode == 0, r.stderr[-2000:]
-    with LancePool(tmp_path / "pool", create=False) as pool:
-        led = pool.ledger()
-        assert led.balanced and led.consumed == 6 * 4
-        spans = pool.scan(["version_spans", "status", "consumed_version", "min_version"], where="status = 'consumed'")
-        assert all(cv - mv <= 2 for cv, mv in zip(spans["consumed_version"].to_pylist(), spans["min_version"].to_pylist()))

@@ -6,17 +6,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
 from streamrl.recipe import (
+    EnginesCfg,
     FnRef,
+    LearnerCfg,
+    PoolCfg,
     Recipe,
     RecipeError,
     apply_overrides,
     dump_recipe,
     load_recipe,
     parse_recipe,
+    RolloutCfg,
+    RunCfg,
+    StalenessCfg,
     resolve_fn,
 )
 from streamrl.rewards import exact_match
@@ -38,39 +45,37 @@ def _error(path: Path, overrides: list[str] | None = None) -> str:
 # ---------------------------------------------------------------- (a) good recipes
 
 
+def _subset(raw, loaded, path=""):
+    """Every key the YAML file sets has that value in the loaded recipe."""
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            assert k in loaded, f"{path}.{k} missing from the loaded recipe"
+            _subset(v, loaded[k], f"{path}.{k}")
+    else:
+        assert loaded == raw, f"{path}: file says {raw!r}, loaded {loaded!r}"
+
+
 def test_quickstart_loads_with_file_values():
     r = load_recipe(QUICKSTART)
     assert isinstance(r, Recipe)
-    assert r.run.name == "quickstart"
-    assert r.run.mode == "stream"
-    assert r.run.steps == 20
-    assert r.model.path == "runs/models/tiny"
-    assert r.data.path == "runs/data/arithmetic.jsonl"
-    assert r.rollout.n_samples == 8
-    assert r.rollout.groups_per_step == 4
-    assert r.rollout.max_new_tokens == 8
-    assert r.staleness.max_staleness == 2
-    assert r.staleness.policy == "drop"
-    assert r.staleness.partial_rollout == "abort_resume"
-    assert r.reward.fn == "streamrl.rewards:exact_match"
+    raw = yaml.safe_load(QUICKSTART.read_text())
+    _subset(raw, msgspec.to_builtins(r))
+    assert r.run.name == "quickstart" and r.run.mode == "stream"
     assert resolve_fn(r.reward.fn) is exact_match
 
 
 def test_quickstart_defaults_are_filled():
     r = load_recipe(QUICKSTART)
+    raw = yaml.safe_load(QUICKSTART.read_text())
     # keys the file does not set get the schema defaults
-    assert r.run.checkpoint_every == 10
-    assert r.run.dir is None
-    assert r.model.tokenizer is None
-    assert r.data.shuffle is True and r.data.epochs == 1
-    assert r.rollout.top_p == 1.0 and r.rollout.top_k == -1 and r.rollout.max_concurrency == 64
-    assert r.rollout.fn is None
-    assert r.filters == [] and r.producers == []
-    assert r.reward.args == {}
-    assert r.pool.uri is None and r.pool.commit_max_rows == 8192 and r.pool.compact_every == 64
-    assert r.learner.lr == pytest.approx(1e-5) and r.learner.micro_batch_size == 8
-    assert r.engines.num == 1 and r.engines.backend == "embedded" and r.engines.router_policy == "round_robin"
-    # derived paths
+    defaults = {"run": RunCfg(), "rollout": RolloutCfg(), "staleness": StalenessCfg(), "pool": PoolCfg(),
+                "learner": LearnerCfg(), "engines": EnginesCfg()}
+    for section, default in defaults.items():
+        got, want = msgspec.to_builtins(getattr(r, section)), msgspec.to_builtins(default)
+        for k in want:
+            if k not in raw.get(section, {}):
+                assert got[k] == want[k], f"{section}.{k}"
+    assert r.model.tokenizer is None and r.filters == [] and r.producers == []
     assert r.run_dir == Path("runs/quickstart")
     assert r.pool_uri == str(Path("runs/quickstart") / "pool")
 
@@ -145,11 +150,14 @@ def test_override_parses_yaml_scalars(override, get, expected):
 
 
 def test_override_wins_over_file_and_keeps_siblings():
-    r = load_recipe(QUICKSTART, ["rollout.n_samples=2", "staleness.max_staleness=0"])
-    assert r.rollout.n_samples == 2  # file says 8
-    assert r.staleness.max_staleness == 0  # file says 2
-    assert r.rollout.groups_per_step == 4 and r.rollout.max_new_tokens == 8  # untouched siblings
-    assert r.staleness.policy == "drop"
+    base = load_recipe(QUICKSTART)
+    r = load_recipe(QUICKSTART, [f"rollout.n_samples={base.rollout.n_samples + 1}", "staleness.max_staleness=0"])
+    assert r.rollout.n_samples == base.rollout.n_samples + 1
+    assert r.staleness.max_staleness == 0 != base.staleness.max_staleness
+    # untouched siblings keep the file's values
+    assert (r.rollout.groups_per_step, r.rollout.max_new_tokens) == (base.rollout.groups_per_step,
+                                                                     base.rollout.max_new_tokens)
+    assert r.staleness.policy == base.staleness.policy
 
 
 def test_overrides_apply_in_order_last_wins():
@@ -296,7 +304,7 @@ BAD = {
     "bad_fn_no_colon.yaml": (8, "reward.fn", "must be a dotted function path"),
     "bad_fn_module_missing.yaml": (7, "reward.fn", "cannot import module 'streamrl_no_such_module_for_tests'"),
     "bad_fn_attr_missing.yaml": (9, "filters[1].fn", "has no attribute 'no_such_function'"),
-    "bad_rollout_fn_attr_missing.yaml": (8, "rollout.fn", "has no attribute 'generate'"),
+    "bad_generate_fn_attr_missing.yaml": (7, "data.generate.fn", "has no attribute 'generate'"),
     "bad_fn_not_callable.yaml": (7, "producers[0].fn", "is a str, not a function"),
     "bad_filter_unknown_key.yaml": (10, "filters[1].weight", "unknown key `weight`"),
     "bad_yaml_syntax.yaml": (8, None, "not valid YAML"),

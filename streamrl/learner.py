@@ -1,0 +1,211 @@
+"""Learner driver: claims batches from the pool, trains the megatron learner, hands out weights.
+
+Runs as a Ray actor in a run (one process owns the model, the optimizer and the pool's claim
+side). `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
+bound and consumption policy, turns them into learner rows (group advantages over the samples
+that were scored; failed samples are left out), takes one optimizer step and returns the
+step's metrics, including which groups it used. The version it publishes is `learner.version`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamrl import algorithms as alg
+from streamrl.recipe import Recipe
+from streamrl.types import Batch, SampleGroup
+
+
+def learner_rows(groups: list[SampleGroup], method: str) -> tuple[list[Any], list[float]]:
+    """Learner rows (connectors.mcore_learner.Sample) and the scored rewards of a batch."""
+    from connectors.mcore_learner import Sample as Row
+
+    rows, rewards = [], []
+    scored_groups = []
+    for g in groups:
+        scored = [s for s in g.samples if not s.failed and s.reward is not None and s.num_tokens > 0]
+        scored_groups.append(scored)
+        rewards += [float(s.reward) for s in scored]  # type: ignore[arg-type]
+    sizes = {len(s) for s in scored_groups if s}
+    if len(sizes) == 1:  # every group complete: one tensor, batch-level methods (reinforce_pp) exact
+        full = [s for s in scored_groups if s]
+        adv = alg.group_advantages(torch.tensor([[s.reward for s in grp] for grp in full], dtype=torch.float32),
+                                   method).tolist() if full else []  # type: ignore[arg-type]
+        adv_iter = iter(adv)
+        advs = [next(adv_iter) if grp else [] for grp in scored_groups]
+    else:  # groups with failed samples: advantages within each group's scored samples
+        advs = [alg.group_advantages(torch.tensor([[s.reward for s in grp]], dtype=torch.float32),  # type: ignore[arg-type]
+                                     method if len(grp) > 1 or method == "dr_grpo" else "dr_grpo")[0].tolist()
+                if grp else [] for grp in scored_groups]
+    for gi, (g, grp, a) in enumerate(zip(groups, scored_groups, advs)):
+        prompt = g.prompt_tokens.tolist()
+        for s, adv in zip(grp, a):
+            rows.append(Row(prompt=prompt, response=s.response_tokens.tolist(), advantage=float(adv),
+                            rollout_logprobs=s.rollout_logprobs.tolist(), group=gi,
+                            loss_mask=s.loss_mask.tolist()))
+    return rows, rewards
+
+
+def batch_metrics(batch: Batch, rewards: list[float]) -> dict[str, Any]:
+    stal = [batch.learner_version - (g.min_version if g.min_version is not None else batch.learner_version)
+            for g in batch.groups]
+    return {"reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+            "staleness_mean": float(np.mean(stal)) if stal else 0.0,
+            "staleness_max": int(max(stal, default=0)),
+            "dropped_stale": len(batch.dropped),
+            "dropped_over_sampling": len(batch.rejected),
+            "masked_tokens": batch.masked_tokens,
+            "groups": [g.group_id for g in batch.groups],
+            "samples": batch.num_samples}
+
+
+class LearnerDriver:
+    def __init__(self, recipe: Recipe, model_dir: str, port: int, pool: bool = True) -> None:
+        from connectors.mcore_learner import MegatronLearner, RLConfig, init_single_process
+
+        torch.set_num_threads(recipe.learner.threads)
+        init_single_process(port, recipe.run.seed)
+        lc = recipe.learner
+        self.r, self.model_dir = recipe, str(model_dir)
+        self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
+                                       micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0)
+        self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature)
+        self.pool = None
+        if pool:
+            from pools import LancePool
+
+            self.pool = LancePool(recipe.pool_uri, commit_linger_ms=recipe.pool.commit_linger_ms,
+                                  compact_every=recipe.pool.compact_every)
+        self._group = None
+        self._meta: tuple[list[str], list[str], list[list[int]]] | None = None
+
+    # ------------------------------------------------------------ SFT warm-start
+
+    def sft(self, rows: list[tuple[list[int], list[int]]], steps: int, lr: float, batch_size: int,
+            seed: int = 0) -> list[float]:
+        """Cross-entropy steps on (prompt, response) rows; afterwards the RL optimizer starts
+        fresh at version 0 and the reference model (for KL) is the warm-started policy."""
+        rl_lr = self.learner.opt.param_groups[0]["lr"]
+        for g in self.learner.opt.param_groups:
+            g["lr"] = lr
+        rng = np.random.default_rng(seed)
+        losses = []
+        for _ in range(steps):
+            idx = rng.choice(len(rows), size=min(batch_size, len(rows)), replace=False)
+            losses.append(self.learner.sft_step([rows[i] for i in idx])["loss"])
+        self.learner.opt = torch.optim.AdamW(self.learner.params, lr=rl_lr, weight_decay=0.0)
+        lc = self.r.learner
+        self.learner.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.learner.opt, lambda s: min(1.0, (s + 1) / lc.warmup_steps) if lc.warmup_steps else 1.0)
+        self.learner.version = 0
+        if self.learner.ref is not None:
+            self.learner.ref.load_state_dict(self.learner.model.state_dict())
+        return losses
+
+    # ------------------------------------------------------------ RL
+
+    @property
+    def version(self) -> int:
+        return self.learner.version
+
+    def train_step(self, step: int, max_staleness: int, timeout_s: float = 600) -> dict[str, Any] | None:
+        """Claim a batch (waiting up to `timeout_s` for enough complete groups), train, return metrics;
+        None when no batch became ready in time."""
+        from streamrl.filters import top_by_reward_std
+
+        assert self.pool is not None
+        ro, st = self.r.rollout, self.r.staleness
+        k = math.ceil(ro.groups_per_step * ro.over_sampling)
+        select = None
+        if k > ro.groups_per_step:
+            def select(groups: list[SampleGroup]) -> tuple[list[SampleGroup], dict[str, str]]:
+                kept, rest = top_by_reward_std(groups, ro.groups_per_step)
+                return kept, {g.group_id: "over_sampling" for g in rest}
+        t_wait = time.perf_counter()
+        deadline = t_wait + timeout_s
+        while True:
+            batch = self.pool.claim(step, self.version, k, max_staleness, st.policy, select=select)
+            if batch is not None:
+                break
+            if time.perf_counter() > deadline:
+                return None
+            time.sleep(0.05)
+        wait_s = time.perf_counter() - t_wait
+        rows, rewards = learner_rows(batch.groups, self.r.learner.advantage)
+        t0 = time.perf_counter()
+        stats = self.learner.rl_step(rows, self.cfg) if rows else {}
+        train_s = time.perf_counter() - t0
+        tokens = sum(len(r.response) for r in rows)
+        return {"step": step, "policy_version": self.version, "wait_s": wait_s, "train_s": train_s,
+                "train_tokens": tokens, "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
+                **batch_metrics(batch, rewards), **stats}
+
+    # ------------------------------------------------------------ weights
+
+    def export(self, out_dir: str) -> str:
+        """HF safetensors of the current policy (disk weight sync, restarted engines, the final model)."""
+        from connectors.mcore_checkpoint import export_hf
+
+        return str(export_hf(self.learner, self.model_dir, out_dir))
+
+    def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
+        from connectors.weight_sync import dtype_name
+
+        state = self.learner.hf_state_dict()
+        return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
+
+    def init_weight_group(self, host: str, port: int, world_size: int, group_name: str) -> None:
+        from connectors.weight_sync import create_group
+
+        self._group = create_group(host, port, world_size, group_name,
+                                   backend="nccl" if torch.cuda.is_available() else "gloo")
+
+    def drop_weight_group(self) -> None:
+        self._group = None
+
+    def push_weights(self) -> None:
+        """Broadcast every tensor to the engines (rank 0 of the weight group)."""
+        from connectors.weight_sync import broadcast
+
+        assert self._group is not None, "init_weight_group first"
+        with torch.no_grad():
+            broadcast(self._group, [t.detach() for t in self.learner.hf_state_dict().values()])
+
+    def checkpoint(self, root: str, extra: dict[str, Any]) -> str:
+        from connectors.mcore_checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self.learner, root, extra=extra, keep_last=3))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def learner_actor(num_cpus: float = 1) -> Any:
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_restarts=0)(_ActorLearner)
+
+
+class _ActorLearner(LearnerDriver):
+    def __init__(self, recipe_json: bytes, model_dir: str, port: int, tokenizer_dir: str) -> None:
+        import warnings
+
+        import msgspec
+        from transformers.utils import logging as hf_logging
+
+        # megatron-core announces every missing GPU extra (TE, Apex) once per import: not news on CPU.
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
+        hf_logging.disable_progress_bar()
+        super().__init__(msgspec.json.decode(recipe_json, type=Recipe), model_dir, port)
+        assert self.pool is not None
+        self.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it
+
+    def ping(self) -> int:
+        return self.version
+

@@ -1,0 +1,303 @@
+"""Rollout worker: prompts -> groups of n responses through the router -> rewards -> filters -> pool.
+
+One asyncio loop per worker (a Ray actor in a run), many groups in flight. Two ways to drive it:
+`stream()` starts groups continuously under admission control (`streamrl.staleness`) until
+stopped; `generate(k)` produces exactly k accepted groups and returns (lockstep, one-step-off).
+
+Every engine call's tokens, log-probs and version spans are folded into a `Trajectory`
+(`streamrl.partial`): an aborted call (a version update with `abort_resume`, or an engine that
+died) is resubmitted as prompt + tokens so far, and the group is saved to the pool as
+`partial` meanwhile, so a crash loses no generated token. A reward function that raises marks
+that sample failed; a filter drops the group with its reason; both release the admission slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+import aiohttp
+
+from connectors.sglang_client import EngineError, SGLangClient
+from streamrl import partial, staleness
+from streamrl.data import PromptRecord, PromptSource
+from streamrl.filters import FilterHub
+from streamrl.recipe import Recipe
+from streamrl.rewards import RewardHub
+from streamrl.types import Admission, SampleGroup, make_group_id, now_ns
+
+log = logging.getLogger("streamrl.rollout")
+
+ENGINE_RETRIES = 30  # consecutive failed calls for one response before the sample is marked failed
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Chat messages go through the tokenizer's chat template; text is tokenized as is."""
+    if isinstance(prompt, list):
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def decode_response(tokenizer: Any, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+class RolloutWorker:
+    def __init__(self, recipe: Recipe, router_url: str, index: int = 0, num_workers: int = 1,
+                 version: int = 0, data_state: dict | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from pools import LancePool
+
+        self.r, self.index, self.num_workers = recipe, index, num_workers
+        self.producer_id = f"rollout-{index}"
+        d = recipe.data
+        self.source = PromptSource(d.path, d.prompt_key, d.label_key, d.shuffle, d.seed, d.epochs, d.on_error)
+        if data_state:
+            self.source.restore(data_state)
+        self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path)
+        self.pool = LancePool(recipe.pool_uri, commit_max_rows=recipe.pool.commit_max_rows,
+                              commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0)
+        self.client = SGLangClient(router_url, connect_retries=2)
+        self.rewards = RewardHub(recipe.reward.fn, recipe.reward.args)
+        self.filters = FilterHub(recipe.filters)
+        ro = recipe.rollout
+        self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
+        self.version = version
+        self.max_staleness = recipe.staleness.max_staleness
+        self.policy = recipe.staleness.partial_rollout
+        self.started = 0  # admitted groups still counting against capacity (filtered ones release)
+        self.inflight: dict[str, asyncio.Task[None]] = {}
+        self.stats: Counter[str] = Counter()
+        self.drops: Counter[str] = Counter()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._accepted = 0
+        self.exhausted = False
+
+    # ------------------------------------------------------------ control (called by the driver)
+
+    def set_version(self, version: int, max_staleness: int | None = None) -> None:
+        self.version = version
+        if max_staleness is not None:
+            self.max_staleness = max_staleness
+        self._wake.set()
+
+    def capacity(self) -> int:
+        """This worker's share of the admission capacity."""
+        total = staleness.admission_capacity(self.version, self.max_staleness, self.r.rollout.groups_per_step)
+        return total // self.num_workers + (1 if self.index < total % self.num_workers else 0)
+
+    def report(self) -> dict[str, Any]:
+        return {"producer": self.producer_id, "version": self.version, "started": self.started,
+                "inflight": len(self.inflight), "accepted": self._accepted, "exhausted": self.exhausted,
+                "data_state": self.source.state(), "drops": dict(self.drops), **self.stats}
+
+    async def stop(self) -> None:
+        """Stop starting groups and wait for the ones in flight (their partials are saved)."""
+        self._stopping = True
+        self._wake.set()
+        if self.inflight:
+            await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.stop()
+        await self.client.close()
+        self.pool.close()
+
+    # ------------------------------------------------------------ drivers
+
+    async def stream(self) -> dict[str, Any]:
+        """Start groups while admission control allows, until stopped or out of prompts."""
+        await self._resume_partials()
+        while not self._stopping:
+            if self.started + 1 > self.capacity() or len(self.inflight) >= self.r.rollout.max_concurrency:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if not await self._start_next():
+                break
+        return self.report()
+
+    async def generate(self, num_groups: int) -> dict[str, Any]:
+        """Produce exactly `num_groups` accepted groups (filtered or failed ones are replaced)."""
+        await self._resume_partials()
+        target = self._accepted + num_groups
+        while self._accepted < target and not self._stopping:
+            if self._accepted + len(self.inflight) < target and len(self.inflight) < self.r.rollout.max_concurrency:
+                if await self._start_next():
+                    continue
+                if not self.inflight:
+                    break
+            self._wake.clear()
+            await self._wake.wait()
+        return self.report()
+
+    # ------------------------------------------------------------ groups
+
+    def _next_record(self) -> PromptRecord | None:
+        while (rec := self.source.next()) is not None:
+            if rec.index % self.num_workers == self.index:
+                return rec
+        self.exhausted = True
+        return None
+
+    async def _start_next(self) -> bool:
+        rec = self._next_record()
+        if rec is None:
+            return False
+        gid = make_group_id(self.producer_id, rec.epoch, rec.index)
+        n = self.r.rollout.n_samples
+        await self.pool.admit_async([Admission(group_id=gid, prompt_id=rec.prompt_id, n=n, producer_id=self.producer_id,
+                                               version=self.version, admitted_at=now_ns())])
+        prompt_ids = encode_prompt(self.tokenizer, rec.prompt)
+        meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line}
+        trajs = [partial.Trajectory(prompt=prompt_ids, max_new_tokens=self.r.rollout.max_new_tokens) for _ in range(n)]
+        self._launch(gid, rec.prompt_id, meta, trajs)
+        return True
+
+    def _launch(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
+        self.started += 1
+        task = asyncio.create_task(self._run_group(gid, prompt_id, meta, trajs), name=gid)
+        self.inflight[gid] = task
+        task.add_done_callback(lambda _t: (self.inflight.pop(gid, None), self._wake.set()))
+
+    async def _resume_partials(self) -> None:
+        """Groups this producer left `partial` (a stopped or killed run) continue where they were."""
+        if getattr(self, "_resumed", False):
+            return
+        self._resumed = True
+        for g in self.pool.partial_groups(self.producer_id):
+            prompt = g.prompt_tokens.tolist()
+            trajs = [partial.from_sample(s, prompt, self.r.rollout.max_new_tokens) for s in g.samples]
+            self.stats["resumed_groups"] += 1
+            self._launch(g.group_id, g.prompt_id, dict(g.metadata), trajs)
+
+    async def _run_group(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
+        state = {"saving": None}
+        try:
+            await asyncio.gather(*(self._generate(gid, i, t, trajs, meta, prompt_id, state) for i, t in enumerate(trajs)))
+            if state["saving"] is not None:
+                await state["saving"]
+            group = await self._finish(gid, prompt_id, meta, trajs)
+            await self.pool.append_async([group])
+            if group.status == "complete":
+                self._accepted += 1
+                self.stats["groups_complete"] += 1
+            else:
+                self.started -= 1  # a dropped or failed group does not use up staleness capacity
+                self.stats[f"groups_{group.status}"] += 1
+        except Exception:  # noqa: BLE001 - one broken group must not stop the worker
+            log.exception("group %s failed; it stays in flight in the ledger", gid)
+            self.stats["group_errors"] += 1
+
+    async def _generate(self, gid: str, i: int, t: partial.Trajectory, trajs: list[partial.Trajectory],
+                        meta: dict[str, Any], prompt_id: str, state: dict[str, Any]) -> None:
+        failures = 0
+        while not t.done:
+            ids, budget = partial.next_request(t)
+            try:
+                res = await self.client.generate(ids, {**self.sampling, "max_new_tokens": budget},
+                                                 rid=f"{gid}/{i}/{t.calls}")
+            except (EngineError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                # Nothing came back from this call (e.g. its engine died): resubmit from what we have.
+                failures += 1
+                self.stats["engine_errors"] += 1
+                if failures >= ENGINE_RETRIES:
+                    t.error = f"generation failed {failures} times in a row: {type(e).__name__}: {e}"
+                    return
+                await asyncio.sleep(min(5.0, 0.2 * failures))
+                continue
+            failures = 0
+            self.stats["gen_tokens"] += len(res.output_ids)
+            partial.absorb(t, res.output_ids, res.logprobs, res.version_spans(), res.finish_type, self.policy)
+            if res.finish_type == "abort":
+                self.stats["interrupted_calls"] += 1
+                if state["saving"] is None:  # one partial save per group however many samples aborted
+                    state["saving"] = asyncio.create_task(self._save_partial(gid, prompt_id, meta, trajs, state))
+
+    async def _save_partial(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory],
+                            state: dict[str, Any]) -> None:
+        await asyncio.sleep(0)  # let the other samples of the group register their aborts first
+        state["saving"] = None
+        group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=trajs[0].prompt,
+                            samples=[partial.to_sample(t, i) for i, t in enumerate(trajs)],
+                            producer_id=self.producer_id, metadata=meta)
+        await self.pool.save_partial_async([group])
+        self.stats["partial_saves"] += 1
+
+    async def _finish(self, gid: str, prompt_id: str, meta: dict[str, Any],
+                      trajs: list[partial.Trajectory]) -> SampleGroup:
+        texts = [decode_response(self.tokenizer, t.tokens) for t in trajs]
+        scored = await self.rewards.score(meta.get("prompt"), meta.get("label"), texts, meta)
+        samples = []
+        for i, (t, sc) in enumerate(zip(trajs, scored)):
+            s = partial.to_sample(t, i)
+            gen_error = t.error
+            s.reward, s.rewards = (None, {}) if gen_error else (sc.reward, dict(sc.components))
+            s.error = gen_error or sc.error
+            s.failed = s.error is not None
+            if s.failed:
+                self.stats["failed_samples"] += 1
+            samples.append(s)
+        group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=trajs[0].prompt, samples=samples,
+                            producer_id=self.producer_id, metadata=meta)
+        if all(s.failed for s in samples):
+            group.status, group.drop_reason = "failed", samples[0].error
+        elif (reason := self.filters.check(group)) is not None:
+            group.status, group.drop_reason = "dropped", reason
+            self.drops[reason] += 1
+        return group
+
+
+def worker_actor(num_cpus: float = 0.5) -> Any:
+    """The Ray actor class for a rollout worker (async: its methods share one event loop)."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_concurrency=1000)(_ActorWorker)
+
+
+class _ActorWorker:
+    """Ray wrapper: builds the worker inside the actor's event loop."""
+
+    def __init__(self, recipe_json: bytes, router_url: str, index: int, num_workers: int, version: int,
+                 data_state: dict | None) -> None:
+        import msgspec
+
+        logging.basicConfig(level=logging.WARNING)
+        self._args = (msgspec.json.decode(recipe_json, type=Recipe), router_url, index, num_workers, version,
+                      data_state)
+        self.w: RolloutWorker | None = None
+
+    async def _worker(self) -> RolloutWorker:
+        if self.w is None:
+            self.w = RolloutWorker(*self._args)
+        return self.w
+
+    async def ready(self) -> dict[str, Any]:
+        return (await self._worker()).report()
+
+    async def stream(self) -> dict[str, Any]:
+        return await (await self._worker()).stream()
+
+    async def generate(self, num_groups: int) -> dict[str, Any]:
+        return await (await self._worker()).generate(num_groups)
+
+    async def set_version(self, version: int, max_staleness: int | None = None) -> None:
+        (await self._worker()).set_version(version, max_staleness)
+
+    async def report(self) -> dict[str, Any]:
+        return (await self._worker()).report()
+
+    async def stop(self) -> dict[str, Any]:
+        w = await self._worker()
+        await w.stop()
+        return w.report()
+
+    async def close(self) -> None:
+        if self.w is not None:
+            await self.w.close()
+

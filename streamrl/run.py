@@ -1,0 +1,83 @@
+"""`streamrl run RECIPE`: start everything, evaluate, train in the recipe's mode, evaluate, report.
+
+The run directory (`--run-dir`, default `run.dir` or runs/<run.name>) gets metrics.jsonl,
+eval.jsonl, events.jsonl, run.log, logs/ (router, engines), checkpoints/, model/ (the final
+policy, HF format) and pool/ (the experience pool; inspect it with `streamrl pool ...`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from streamrl import loop
+from streamrl.recipe import Recipe
+from streamrl.runtime import Runtime
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+async def run_async(r: Recipe, run_dir: Path, progress: bool = True) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    rt = Runtime(r, run_dir, progress)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "mode": r.run.mode, "steps": r.run.steps}
+    try:
+        t_setup = time.perf_counter()
+        await rt.start()
+        summary["setup_s"] = time.perf_counter() - t_setup
+        before = await rt.evaluate(0)
+        bar = tqdm(total=r.run.steps, desc=f"{r.run.mode} RL", unit="step", disable=not progress, dynamic_ncols=True)
+
+        def on_step(m: dict[str, Any]) -> None:
+            bar.update(1)
+            bar.set_postfix_str(f"v{m['policy_version']} reward {_fmt(m['reward_mean'])} "
+                                f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} "
+                                f"gen {m['gen_tokens_per_s']:.0f} tok/s loss {_fmt(m.get('loss', float('nan')))}")
+
+        rt.t0 = t_rl = time.perf_counter()
+        await loop.MODES[r.run.mode](rt, r.run.steps, on_step)
+        summary["rl_s"] = time.perf_counter() - t_rl
+        bar.close()
+        if r.run.checkpoint_every == 0 or r.run.steps % r.run.checkpoint_every:
+            await rt.checkpoint(r.run.steps - 1)
+        after = await rt.evaluate(r.run.steps)
+        summary["model"] = await rt.export()
+        samples = sum(m["samples"] for m in rt.steps)
+        summary |= {"policy_version": rt.version, "samples": samples,
+                    "samples_per_s": samples / summary["rl_s"] if summary["rl_s"] else 0.0,
+                    "eval_before": before, "eval_after": after,
+                    "reward_first": rt.steps[0]["reward_mean"] if rt.steps else None,
+                    "reward_last": rt.steps[-1]["reward_mean"] if rt.steps else None,
+                    "staleness_max": max((m["staleness_max"] for m in rt.steps), default=0),
+                    "engine_restarts": rt.engines.restarts}
+    finally:
+        await rt.stop()
+    return summary
+
+
+def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True, fresh: bool = True) -> dict[str, Any]:
+    d = Path(run_dir) if run_dir else r.run_dir
+    if fresh and d.exists():
+        # A new run starts from an empty directory (resuming is `--resume`, a later issue), but never
+        # deletes something that is not a StreamRL run directory.
+        marker = d / "metrics.jsonl"
+        if any(d.iterdir()) and not (marker.exists() or (d / "pool").exists() or (d / "run.log").exists()):
+            raise FileExistsError(f"{d} exists and is not a StreamRL run directory; pick another --run-dir")
+        for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json"):
+            (d / name).unlink(missing_ok=True)
+        for name in ("pool", "checkpoints", "weights", "model", "logs"):
+            shutil.rmtree(d / name, ignore_errors=True)
+    if r.run.dir is None or run_dir:
+        import msgspec
+
+        r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, dir=str(d)))
+    summary = asyncio.run(run_async(r, d, progress))
+    (d / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary

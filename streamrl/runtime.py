@@ -1,0 +1,255 @@
+"""The run's moving parts, started and stopped in one place: Ray, the sglang-router, the engines,
+the learner actor, the rollout workers, the version broadcaster and the run directory's logs.
+
+`streamrl/loop.py` drives them; this module only wires them and offers the steps the loops
+are made of (`generate`, `train_step`, `publish`, `evaluate`, `checkpoint`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from streamrl.recipe import Recipe
+from streamrl.runlog import RunLog
+from streamrl.types import RunCheckpointed, now_ns
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (the message says why and what to check)."""
+
+
+def prepare_inputs(r: Recipe) -> None:
+    """Build what the recipe says to build when missing: the tiny model, the task data."""
+    if r.model.init is not None and not (Path(r.model.path) / "config.json").exists():
+        from connectors.model_kit import init_model_dir
+
+        init_model_dir(r.model.path, r.model.init.preset, r.model.init.seed)
+    if r.data.generate is not None and not Path(r.data.path).exists():
+        from streamrl.recipe import resolve_fn
+
+        resolve_fn(r.data.generate.fn)(out_dir=str(Path(r.data.path).parent), **r.data.generate.args)
+    for what, path in (("model.path", Path(r.model.path) / "config.json"), ("data.path", Path(r.data.path)),
+                       ("data.eval_path", Path(r.data.eval_path) if r.data.eval_path else None),
+                       ("sft.path", Path(r.sft.path) if r.sft else None)):
+        if path is not None and not path.exists():
+            hint = " (add model.init to build a tiny model, or `streamrl model init DIR`)" if what == "model.path" else ""
+            raise RunFailed(f"{what}: {path} does not exist{hint}")
+
+
+def max_staleness_of(r: Recipe) -> int:
+    """The bound each mode trains under: lockstep is on-policy, one-step-off one version behind."""
+    return {"lockstep": 0, "one_step_off": 1}.get(r.run.mode, r.staleness.max_staleness)
+
+
+class Runtime:
+    def __init__(self, recipe: Recipe, run_dir: Path, progress: bool = True) -> None:
+        self.r, self.dir = recipe, Path(run_dir)
+        self.log = RunLog(self.dir, echo=progress)
+        self.progress = progress
+        self.eta = max_staleness_of(recipe)
+        self.router: Any = None
+        self.engines: Any = None
+        self.learner: Any = None
+        self.workers: list[Any] = []
+        self.broadcaster: Any = None
+        self.tokenizer: Any = None
+        self.version = 0
+        self.t0 = time.perf_counter()
+        self._last = (time.perf_counter(), 0)
+        self.evals: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------ start / stop
+
+    async def start(self) -> None:
+        import ray
+        from transformers import AutoTokenizer
+
+        from connectors.launcher import EngineLauncher, ensure_ray
+        from connectors.router import Router, free_port
+        from streamrl.broadcast import VersionBroadcaster
+        from streamrl.learner import learner_actor
+        from streamrl.rollout import worker_actor
+
+        r = self.r
+        prepare_inputs(r)
+        self.tokenizer = AutoTokenizer.from_pretrained(r.model.tokenizer or r.model.path)
+        recipe_json = msgspec.json.encode(r)
+        if r.ray.address:
+            ray.init(address=r.ray.address)
+        else:
+            need = r.engines.num + r.rollout.workers + 2
+            ensure_ray(num_cpus=r.ray.num_cpus or need, runtime_env={"env_vars": {
+                "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+        self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
+        self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs").start()
+        self.learner = learner_actor(1).remote(recipe_json, r.model.path, free_port(),
+                                               str(Path(r.model.tokenizer or r.model.path).resolve()))
+        self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
+                                              r.staleness.partial_rollout, self.dir, self.log)
+        kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed} \
+            if r.engines.backend == "embedded" else None
+        self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
+                                      log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
+                                      engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart)
+        # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
+        engines_up = asyncio.create_task(self.engines.start())
+        if r.sft is not None:
+            await self._sft()
+        await engines_up
+        if r.sft is not None:
+            await self.broadcaster._push_disk(0)
+        self.workers = [worker_actor().remote(recipe_json, self.router.url, i, r.rollout.workers, 0, None)
+                        for i in range(r.rollout.workers)]
+        await asyncio.gather(*(w.ready.remote() for w in self.workers))
+        for w in self.workers:
+            await w.set_version.remote(0, self.eta)
+
+    async def _sft(self) -> None:
+        from streamrl.data import PromptSource
+        from streamrl.rollout import encode_prompt
+
+        s = self.r.sft
+        assert s is not None
+        src = PromptSource(s.path, s.prompt_key, s.response_key, shuffle=False, on_error=self.r.data.on_error)
+        eos = self.tokenizer.eos_token_id
+        rows = []
+        while (rec := src.next()) is not None:
+            resp = list(self.tokenizer(str(rec.label), add_special_tokens=False)["input_ids"]) + [eos]
+            rows.append((encode_prompt(self.tokenizer, rec.prompt), resp))
+        t0 = time.perf_counter()
+        losses = await self.learner.sft.remote(rows, s.steps, s.lr, s.batch_size, self.r.run.seed)
+        self.log.info(f"SFT warm-start: {s.steps} steps on {len(rows)} rows, loss {losses[0]:.3f} -> "
+                      f"{losses[-1]:.3f} in {time.perf_counter() - t0:.0f}s")
+        self.sft_losses = losses
+
+    async def stop(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                await asyncio.wait_for(w.close.remote(), 60)
+            except Exception as e:  # noqa: BLE001 - shutting down anyway
+                self.log.warn(f"rollout worker did not close cleanly: {e!r}")
+        if self.engines is not None:
+            await self.engines.stop()
+        if self.learner is not None:
+            try:
+                await asyncio.wait_for(self.learner.close.remote(), 30)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.router is not None:
+            await self.router.close()
+        for a in [*self.workers, self.learner]:
+            if a is not None:
+                ray.kill(a, no_restart=True)
+        if not self.r.ray.address:
+            ray.shutdown()
+
+    # ------------------------------------------------------------ steps the loops are made of
+
+    def _shares(self, total: int) -> list[int]:
+        n = len(self.workers)
+        return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+    async def generate(self, num_groups: int) -> None:
+        """Each worker produces its share of `num_groups` accepted groups (lockstep, one-step-off)."""
+        await asyncio.gather(*(w.generate.remote(k) for w, k in zip(self.workers, self._shares(num_groups)) if k))
+
+    def start_streaming(self) -> list[Any]:
+        return [w.stream.remote() for w in self.workers]
+
+    async def stop_workers(self) -> None:
+        await asyncio.gather(*(w.stop.remote() for w in self.workers))
+
+    async def train_step(self, step: int, streams: list[Any] | None = None) -> dict[str, Any]:
+        """Claim a batch and train on it; the learner's version moves to step + 1."""
+        task = asyncio.ensure_future(self.learner.train_step.remote(step, self.eta, 5.0))
+        while True:  # poll, so a worker that ran out of prompts or died ends the run with a reason
+            m = await task
+            if m is not None:
+                break
+            if streams and all(_done(s) for s in streams):
+                reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
+                raise RunFailed(f"step {step}: no batch of {self.r.rollout.groups_per_step} groups can be formed and "
+                                f"the rollout workers have stopped (out of prompts: "
+                                f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
+            task = asyncio.ensure_future(self.learner.train_step.remote(step, self.eta, 5.0))
+        self.version = m["policy_version"]
+        reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
+        now, tokens = time.perf_counter(), sum(x.get("gen_tokens", 0) for x in reports)
+        m["gen_tokens_per_s"] = (tokens - self._last[1]) / max(1e-9, now - self._last[0])
+        self._last = (now, tokens)
+        m["wall_time_s"] = now - self.t0
+        m["drops"] = _sum_dicts(x["drops"] for x in reports)
+        m["interrupted_calls"] = sum(x.get("interrupted_calls", 0) for x in reports)
+        m["engine_errors"] = sum(x.get("engine_errors", 0) for x in reports)
+        m["engine_restarts"] = self.engines.restarts
+        self._reports = reports
+        return m
+
+    async def publish(self, step: int, metrics: dict[str, Any], interrupt: bool) -> None:
+        """Push the learner's new version to every engine, then let the workers admit under it."""
+        pub = await self.broadcaster.publish(self.version, step, interrupt)
+        metrics.update(pause_s=pub["pause_s"], push_s=pub["push_s"])
+        await asyncio.gather(*(w.set_version.remote(self.version) for w in self.workers))
+        self.steps.append(metrics)
+        self.log.metrics({k: v for k, v in metrics.items() if k != "groups"} | {"groups": metrics["groups"]})
+        every = self.r.run.checkpoint_every
+        if every and (step + 1) % every == 0:
+            await self.checkpoint(step)
+        if self.r.run.eval_every and (step + 1) % self.r.run.eval_every == 0:
+            await self.evaluate(step + 1)
+
+    async def checkpoint(self, step: int) -> None:
+        path = await self.learner.checkpoint.remote(str(self.dir / "checkpoints"), {
+            "step": step, "workers": [x["data_state"] for x in getattr(self, "_reports", [])]})
+        self.log.event(RunCheckpointed(step=step, version=self.version, path=path, at=now_ns()))
+
+    async def evaluate(self, step: int) -> dict[str, Any] | None:
+        """Held-out accuracy at the version the engines serve now (eval.jsonl)."""
+        if not self.r.data.eval_path:
+            return None
+        from connectors.sglang_client import SGLangClient
+        from streamrl.data import PromptSource
+        from streamrl.evaluate import evaluate
+
+        d = self.r.data
+        src = PromptSource(d.eval_path, d.prompt_key, d.label_key, shuffle=False, on_error=d.on_error)
+        recs = []
+        while (rec := src.next()) is not None and (d.eval_size is None or len(recs) < d.eval_size):
+            recs.append(rec)
+        async with SGLangClient(self.router.url) as c:
+            res = await evaluate(c, self.tokenizer, recs, self.r)
+        row = {"policy_version": self.version, "step": step, "wall_time_s": time.perf_counter() - self.t0, **res}
+        self.evals.append(row)
+        self.log.eval(row)
+        self.log.info(f"eval at version {self.version}: accuracy {res['accuracy']:.3f} "
+                      f"(greedy {res['greedy_accuracy']:.3f}) over {res['prompts']} prompts")
+        return row
+
+    async def export(self) -> str:
+        return await self.learner.export.remote(str(self.dir / "model"))
+
+
+def _done(ref: Any) -> bool:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)
+
+
+def _sum_dicts(ds: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in ds:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
