@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -361,10 +362,13 @@ class _DropRouterProbes(logging.Filter):
 
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
-          weight_version: str = "0", seed: int = 0, threads: int = 1) -> None:
+          weight_version: str = "0", seed: int = 0, threads: int = 1, cpus: list[int] | None = None) -> None:
     """Serve until interrupted. `threads`: torch intra-op threads. One by default: engines share
     the CPU with the learner and other engines, and torch's default (one per core) collapses
-    7-10x under such contention (benchmarks/engine_throughput.py --engine-threads)."""
+    7-10x under such contention (benchmarks/engine_throughput.py --engine-threads).
+    `cpus`: pin the engine to these cores (Linux; before any worker thread starts)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
     server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)

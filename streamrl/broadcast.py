@@ -30,10 +30,10 @@ from streamrl.types import EnginePaused, EngineResumed, VersionPublished, now_ns
 
 class VersionBroadcaster:
     def __init__(self, router: Router, learner: Any, weight_sync: str, policy: str, run_dir: Path, log: RunLog,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", keep_weights: int = 2) -> None:
         self.router, self.learner, self.weight_sync, self.policy = router, learner, weight_sync, policy
         self.weights_dir = run_dir / "weights"
-        self.log, self.host = log, host
+        self.log, self.host, self.keep_weights = log, host, keep_weights
         self._group_urls: tuple[str, ...] = ()
         self._group_gen = 0
         self._meta: Any = None
@@ -76,8 +76,9 @@ class VersionBroadcaster:
         workers = self.router.workers
         await asyncio.gather(*(workers[u].update_weights_from_disk(path, weight_version=version)
                                for u in (urls or list(workers))))
-        for old in sorted(self.weights_dir.glob("v*"))[:-2]:  # keep the newest two
-            shutil.rmtree(old, ignore_errors=True)
+        if self.keep_weights:
+            for old in sorted(self.weights_dir.glob("v*"))[:-self.keep_weights]:
+                shutil.rmtree(old, ignore_errors=True)
         return path
 
     async def publish(self, version: int, step: int, interrupt: bool = True) -> dict[str, Any]:

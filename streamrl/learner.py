@@ -10,6 +10,7 @@ step's metrics, including which groups it used. The version it publishes is `lea
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -68,6 +69,8 @@ class LearnerDriver:
     def __init__(self, recipe: Recipe, model_dir: str, port: int, pool: bool = True) -> None:
         from connectors.mcore_learner import MegatronLearner, RLConfig, init_single_process
 
+        if recipe.learner.cpus:
+            os.sched_setaffinity(0, recipe.learner.cpus)
         torch.set_num_threads(recipe.learner.threads)
         init_single_process(port, recipe.run.seed)
         lc = recipe.learner
@@ -186,10 +189,10 @@ class LearnerDriver:
             self.pool.close()
 
 
-def learner_actor(num_cpus: float = 1) -> Any:
+def learner_actor(num_cpus: float = 1, num_gpus: float = 0) -> Any:
     import ray
 
-    return ray.remote(num_cpus=num_cpus, max_restarts=0)(_ActorLearner)
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(_ActorLearner)
 
 
 class _ActorLearner(LearnerDriver):

@@ -81,7 +81,7 @@ def absorb(t: Trajectory, output_ids: Sequence[int], logprobs: Sequence[float],
         if t.remaining == 0:
             t.finish = "length"
     else:
-        t.finish = finish_type if t.remaining > 0 or finish_type == "stop" else "length"
+        t.finish = finish_type
     return t
 
 

@@ -149,6 +149,8 @@ class LearnerCfg(_Cfg):
     lr: PosFloat = 1e-5
     warmup_steps: NonNegInt = 0
     threads: PosInt = 1  # torch CPU threads of the learner process
+    num_gpus: NonNegInt = 0  # GPUs for the learner actor (1 on a GPU node)
+    cpus: list[NonNegInt] = []  # pin the learner process to these cores (Linux); empty = no pinning
     micro_batch_size: PosInt = 8
     grad_clip: PosFloat = 1.0
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -173,6 +175,8 @@ class EnginesCfg(_Cfg):
     max_running: PosInt = 64  # embedded engine: requests decoded together
     threads: PosInt = 1  # embedded engine: torch CPU threads
     extra_args: list[str] = []  # SGLang launch_server arguments
+    keep_weights: NonNegInt = 2  # pushed versions kept under RUN_DIR/weights (disk sync); 0 = all
+    cpus: list[NonNegInt] = []  # embedded engines: pin to these cores (Linux); empty = no pinning
 
 
 class Recipe(_Cfg):

@@ -24,7 +24,7 @@ class RunFailed(RuntimeError):
     """The run cannot go on (the message says why and what to check)."""
 
 
-def prepare_inputs(r: Recipe) -> None:
+def prepare_inputs(r: Recipe, log: RunLog) -> None:
     """Build what the recipe says to build when missing: the tiny model, the task data."""
     if r.model.init is not None and not (Path(r.model.path) / "config.json").exists():
         from connectors.model_kit import init_model_dir
@@ -40,6 +40,37 @@ def prepare_inputs(r: Recipe) -> None:
         if path is not None and not path.exists():
             hint = " (add model.init to build a tiny model, or `streamrl model init DIR`)" if what == "model.path" else ""
             raise RunFailed(f"{what}: {path} does not exist{hint}")
+    # Read every dataset once now, so a malformed row stops the run before anything starts.
+    from streamrl.data import DataError, PromptSource
+
+    d = r.data
+    checks = [(d.path, d.prompt_key, d.label_key)]
+    if d.eval_path:
+        checks.append((d.eval_path, d.prompt_key, d.label_key))
+    if r.sft is not None:
+        checks.append((r.sft.path, r.sft.prompt_key, r.sft.response_key))
+    for path, pk, lk in checks:
+        try:
+            src = PromptSource(path, pk, lk, shuffle=False, on_error=d.on_error)
+        except DataError as e:
+            raise RunFailed(str(e)) from None
+        for msg in src.skipped:
+            log.warn(f"skipped a malformed row: {msg}")
+
+
+def sft_rows(r: Recipe, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids + eos) for the SFT warm-start; prompts encoded as rollouts encode them."""
+    from streamrl.data import PromptSource
+    from streamrl.rollout import encode_prompt
+
+    s = r.sft
+    assert s is not None
+    src = PromptSource(s.path, s.prompt_key, s.response_key, shuffle=False, on_error=r.data.on_error)
+    rows = []
+    while (rec := src.next()) is not None:
+        resp = list(tokenizer(str(rec.label), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        rows.append((encode_prompt(tokenizer, rec.prompt), resp))
+    return rows
 
 
 def max_staleness_of(r: Recipe) -> int:
@@ -78,7 +109,7 @@ class Runtime:
         from streamrl.rollout import worker_actor
 
         r = self.r
-        prepare_inputs(r)
+        prepare_inputs(r, self.log)
         self.tokenizer = AutoTokenizer.from_pretrained(r.model.tokenizer or r.model.path)
         recipe_json = msgspec.json.encode(r)
         if r.ray.address:
@@ -90,12 +121,13 @@ class Runtime:
                 "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
         self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
         self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs").start()
-        self.learner = learner_actor(1).remote(recipe_json, r.model.path, free_port(),
+        self.learner = learner_actor(1, r.learner.num_gpus).remote(recipe_json, r.model.path, free_port(),
                                                str(Path(r.model.tokenizer or r.model.path).resolve()))
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
-                                              r.staleness.partial_rollout, self.dir, self.log)
-        kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed} \
-            if r.engines.backend == "embedded" else None
+                                              r.staleness.partial_rollout, self.dir, self.log,
+                                              keep_weights=r.engines.keep_weights)
+        kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed,
+                  **({"cpus": r.engines.cpus} if r.engines.cpus else {})} if r.engines.backend == "embedded" else None
         self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
                                       log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart)
@@ -113,17 +145,9 @@ class Runtime:
             await w.set_version.remote(0, self.eta)
 
     async def _sft(self) -> None:
-        from streamrl.data import PromptSource
-        from streamrl.rollout import encode_prompt
-
         s = self.r.sft
         assert s is not None
-        src = PromptSource(s.path, s.prompt_key, s.response_key, shuffle=False, on_error=self.r.data.on_error)
-        eos = self.tokenizer.eos_token_id
-        rows = []
-        while (rec := src.next()) is not None:
-            resp = list(self.tokenizer(str(rec.label), add_special_tokens=False)["input_ids"]) + [eos]
-            rows.append((encode_prompt(self.tokenizer, rec.prompt), resp))
+        rows = sft_rows(self.r, self.tokenizer)
         t0 = time.perf_counter()
         losses = await self.learner.sft.remote(rows, s.steps, s.lr, s.batch_size, self.r.run.seed)
         self.log.info(f"SFT warm-start: {s.steps} steps on {len(rows)} rows, loss {losses[0]:.3f} -> "

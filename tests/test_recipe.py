@@ -416,3 +416,9 @@ def test_learner_section_maps_onto_the_rl_objective():
                                  "rollout.temperature=0.7"])
     cfg = RLConfig.from_recipe(r.learner, r.rollout.temperature)
     assert (cfg.off_policy, cfg.dual_clip, cfg.loss_agg, cfg.temperature) == ("decoupled", 3.0, "group", 0.7)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(path):
+    r = load_recipe(path)
+    assert r.run.steps >= 1 and r.model.path and r.data.path

@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Stream vs lockstep vs one-step-off: the quick-start's RL phase in each mode, same steps.
+
+    .venv/bin/python benchmarks/stream_vs_lockstep.py [--steps N] [--quick] [--out FILE]
+
+The SFT warm-start runs once (in this process); each mode then starts from the same warm-started
+weights with the same recipe, seed and number of learner steps, as a full `streamrl run` (Ray,
+router, engines, learner actor, rollout workers; one after the other in this process tree).
+By default one engine is pinned to core 0 and the learner to core 1, so on this 2-core machine
+generation and training each get one core (the driver, router and rollout worker float).
+
+Per mode: RL wall time (from the first step to the last publish; start-up and evaluation are
+not counted), samples/s, held-out accuracy before/after, and where the time went — per step,
+the learner's wait for a batch (`wait_s`, generation it could not overlap), its training
+(`train_s`) and the weight push (`push_s`). Prints one JSON object; `speedup_stream_vs_lockstep`
+is lockstep wall time / stream wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.chdir(REPO)
+
+import msgspec  # noqa: E402
+
+from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from streamrl.recipe import load_recipe  # noqa: E402
+from streamrl.runlog import read_jsonl  # noqa: E402
+
+
+def warm_start(recipe: Any, out: Path) -> Path:
+    """The quick-start's SFT phase once, exported as an HF directory every mode starts from."""
+    from transformers import AutoTokenizer
+
+    from connectors.router import free_port
+    from streamrl.learner import LearnerDriver
+    from streamrl.runlog import RunLog
+    from streamrl.runtime import prepare_inputs, sft_rows
+
+    prepare_inputs(recipe, RunLog(out / "sft-log", echo=False))
+    tok = AutoTokenizer.from_pretrained(recipe.model.path)
+    drv = LearnerDriver(recipe, recipe.model.path, free_port(), pool=False)
+    s = recipe.sft
+    drv.sft(sft_rows(recipe, tok), s.steps, s.lr, s.batch_size, recipe.run.seed)
+    return Path(drv.export(str(out / "sft-model")))
+
+
+def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    m = read_jsonl(run_dir / "metrics.jsonl")
+
+    def mean(k: str) -> float:
+        return statistics.fmean(x[k] for x in m) if m else 0.0
+
+    return {"rl_wall_s": summary["rl_s"], "samples_per_s": summary["samples_per_s"], "samples": summary["samples"],
+            "accuracy_before": summary["eval_before"]["accuracy"], "accuracy_after": summary["eval_after"]["accuracy"],
+            "greedy_before": summary["eval_before"]["greedy_accuracy"],
+            "greedy_after": summary["eval_after"]["greedy_accuracy"],
+            "reward_first_step": summary["reward_first"], "reward_last_step": summary["reward_last"],
+            "per_step_s": summary["rl_s"] / max(1, len(m)), "learner_wait_s": mean("wait_s"),
+            "learner_train_s": mean("train_s"), "push_s": mean("push_s"), "pause_s": mean("pause_s"),
+            "staleness_mean": mean("staleness_mean"), "staleness_max": max((x["staleness_max"] for x in m), default=0),
+            "dropped_stale": sum(x["dropped_stale"] for x in m),
+            "gen_tokens_per_s": mean("gen_tokens_per_s"), "train_tokens_per_s": mean("train_tokens_per_s")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="recipes/quickstart.yaml")
+    ap.add_argument("--steps", type=int, help="learner steps per mode (default: the recipe's run.steps)")
+    ap.add_argument("--modes", default="lockstep,one_step_off,stream")
+    ap.add_argument("--engines", type=int, default=1)
+    ap.add_argument("--no-pin", action="store_true", help="do not pin the engine and learner to separate cores")
+    ap.add_argument("--quick", action="store_true", help="6 steps per mode (a smoke run, not a measurement)")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every mode")
+    a = ap.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    load0 = os.getloadavg()[0]
+    base = load_recipe(a.recipe, a.overrides)
+    steps = 6 if a.quick else (a.steps or base.run.steps)
+    from streamrl.run import run_async
+
+    work = Path(tempfile.mkdtemp(prefix="stream-vs-lockstep-"))
+    t0 = time.perf_counter()
+    model = warm_start(base, work) if base.sft is not None else Path(base.model.path)
+    sft_s = time.perf_counter() - t0
+    pin = not a.no_pin and (os.cpu_count() or 1) >= 2
+    modes: dict[str, Any] = {}
+    for mode in a.modes.split(","):
+        r = msgspec.structs.replace(
+            base, sft=None,
+            model=msgspec.structs.replace(base.model, path=str(model), init=None),
+            run=msgspec.structs.replace(base.run, mode=mode, steps=steps, checkpoint_every=0, eval_every=0,
+                                        dir=str(work / mode)),
+            engines=msgspec.structs.replace(base.engines, num=a.engines, cpus=[0] if pin else []),
+            learner=msgspec.structs.replace(base.learner, cpus=[1] if pin else []))
+        print(f"[{mode}] {steps} steps ...", file=sys.stderr, flush=True)
+        summary = asyncio.run(run_async(r, work / mode, progress=False))
+        modes[mode] = mode_report(summary, work / mode)
+        print(f"[{mode}] {modes[mode]['rl_wall_s']:.1f}s, accuracy {modes[mode]['accuracy_before']:.3f} -> "
+              f"{modes[mode]['accuracy_after']:.3f}", file=sys.stderr, flush=True)
+    out: dict[str, Any] = {"benchmark": "stream_vs_lockstep", "git": git_rev(), "recipe": a.recipe,
+                           "overrides": a.overrides, "steps": steps, "engines": a.engines, "pinned": pin,
+                           "sft_s": sft_s, "modes": modes, "work_dir": str(work)}
+    if "lockstep" in modes:
+        for m in modes:
+            if m != "lockstep":
+                out[f"speedup_{m}_vs_lockstep"] = modes["lockstep"]["rl_wall_s"] / modes[m]["rl_wall_s"]
+    out["machine"] = machine(load0, ("torch", "ray", "lancedb", "megatron-core"))
+    emit(out, a.out)
+
+
+if __name__ == "__main__":
+    main()
