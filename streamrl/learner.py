@@ -62,6 +62,7 @@ def batch_metrics(batch: Batch, rewards: list[float]) -> dict[str, Any]:
             "dropped_over_sampling": len(batch.rejected),
             "masked_tokens": batch.masked_tokens,
             "groups": [g.group_id for g in batch.groups],
+            "dropped_ids": list(batch.dropped) + list(batch.rejected),
             "samples": batch.num_samples}
 
 

@@ -26,7 +26,8 @@ from streamrl.data import PromptRecord, PromptSource
 from streamrl.filters import FilterHub
 from streamrl.recipe import Recipe
 from streamrl.rewards import RewardHub
-from streamrl.types import Admission, SampleGroup, make_group_id, now_ns
+from streamrl.runlog import RunLog
+from streamrl.types import Admission, GroupAppended, SampleGroup, make_group_id, now_ns
 
 log = logging.getLogger("streamrl.rollout")
 
@@ -62,6 +63,7 @@ class RolloutWorker:
         self.pool = LancePool(recipe.pool_uri, commit_max_rows=recipe.pool.commit_max_rows,
                               commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0)
         self.client = SGLangClient(router_url, connect_retries=2)
+        self.log = RunLog(recipe.run_dir, echo=False)
         self.rewards = RewardHub(recipe.reward.fn, recipe.reward.args)
         self.filters = FilterHub(recipe.filters)
         ro = recipe.rollout
@@ -151,10 +153,13 @@ class RolloutWorker:
             return False
         gid = make_group_id(self.producer_id, rec.epoch, rec.index)
         n = self.r.rollout.n_samples
+        t = now_ns()
         await self.pool.admit_async([Admission(group_id=gid, prompt_id=rec.prompt_id, n=n, producer_id=self.producer_id,
-                                               version=self.version, admitted_at=now_ns())])
+                                               version=self.version, admitted_at=t)])
         prompt_ids = encode_prompt(self.tokenizer, rec.prompt)
-        meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line}
+        # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
+        meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
+                "admitted_ns": t}
         trajs = [partial.Trajectory(prompt=prompt_ids, max_new_tokens=self.r.rollout.max_new_tokens) for _ in range(n)]
         self._launch(gid, rec.prompt_id, meta, trajs)
         return True
@@ -174,7 +179,7 @@ class RolloutWorker:
             prompt = g.prompt_tokens.tolist()
             trajs = [partial.from_sample(s, prompt, self.r.rollout.max_new_tokens) for s in g.samples]
             self.stats["resumed_groups"] += 1
-            self._launch(g.group_id, g.prompt_id, dict(g.metadata), trajs)
+            self._launch(g.group_id, g.prompt_id, {"admitted_ns": g.created_at, **g.metadata}, trajs)
 
     async def _run_group(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
         state = {"saving": None}
@@ -184,6 +189,8 @@ class RolloutWorker:
                 await state["saving"]
             group = await self._finish(gid, prompt_id, meta, trajs)
             await self.pool.append_async([group])
+            self.log.event(GroupAppended(group_ids=[gid], status=group.status, producer_id=self.producer_id,
+                                         at=now_ns()))
             if group.status == "complete":
                 self._accepted += 1
                 self.stats["groups_complete"] += 1
@@ -225,7 +232,7 @@ class RolloutWorker:
         state["saving"] = None
         group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=trajs[0].prompt,
                             samples=[partial.to_sample(t, i) for i, t in enumerate(trajs)],
-                            producer_id=self.producer_id, metadata=meta)
+                            producer_id=self.producer_id, metadata=meta, created_at=meta.get("admitted_ns", 0))
         await self.pool.save_partial_async([group])
         self.stats["partial_saves"] += 1
 
@@ -244,7 +251,7 @@ class RolloutWorker:
                 self.stats["failed_samples"] += 1
             samples.append(s)
         group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=trajs[0].prompt, samples=samples,
-                            producer_id=self.producer_id, metadata=meta)
+                            producer_id=self.producer_id, metadata=meta, created_at=meta.get("admitted_ns", 0))
         if all(s.failed for s in samples):
             group.status, group.drop_reason = "failed", samples[0].error
         elif (reason := self.filters.check(group)) is not None:

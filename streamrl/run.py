@@ -35,9 +35,12 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True) -> dict[str
         before = await rt.evaluate(0)
         bar = tqdm(total=r.run.steps, desc=f"{r.run.mode} RL", unit="step", disable=not progress, dynamic_ncols=True)
 
+        seen = [0]
+
         def on_step(m: dict[str, Any]) -> None:
             bar.update(1)
-            bar.set_postfix_str(f"v{m['policy_version']} reward {_fmt(m['reward_mean'])} "
+            seen[0] += m["samples"]
+            bar.set_postfix_str(f"v{m['policy_version']} samples {seen[0]} reward {_fmt(m['reward_mean'])} "
                                 f"stale {m['staleness_mean']:.2f}/{m['staleness_max']} "
                                 f"gen {m['gen_tokens_per_s']:.0f} tok/s loss {_fmt(m.get('loss', float('nan')))}")
 

@@ -17,7 +17,7 @@ import msgspec
 
 from streamrl.recipe import Recipe
 from streamrl.runlog import RunLog
-from streamrl.types import RunCheckpointed, now_ns
+from streamrl.types import BatchClaimed, RunCheckpointed, now_ns
 
 
 class RunFailed(RuntimeError):
@@ -207,6 +207,8 @@ class Runtime:
                                 f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
             task = asyncio.ensure_future(self.learner.train_step.remote(step, self.eta, 5.0))
         self.version = m["policy_version"]
+        self.log.event(BatchClaimed(step=step, learner_version=self.version - 1, group_ids=m["groups"],
+                                    dropped=m["dropped_ids"], at=now_ns()))
         reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
         now, tokens = time.perf_counter(), sum(x.get("gen_tokens", 0) for x in reports)
         m["gen_tokens_per_s"] = (tokens - self._last[1]) / max(1e-9, now - self._last[0])
