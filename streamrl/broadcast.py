@@ -28,6 +28,10 @@ from streamrl.runlog import RunLog
 from streamrl.types import EnginePaused, EngineResumed, VersionPublished, now_ns
 
 
+class _UseDisk(Exception):
+    pass
+
+
 class VersionBroadcaster:
     def __init__(self, router: Router, learner: Any, weight_sync: str, policy: str, run_dir: Path, log: RunLog,
                  host: str = "127.0.0.1", keep_weights: int = 2) -> None:
@@ -69,49 +73,62 @@ class VersionBroadcaster:
                                               group_name=self._group_name)
             for u, c in self.router.workers.items()))
 
-    async def _push_disk(self, version: int, urls: list[str] | None = None) -> str:
+    async def _push_disk(self, version: int, clients: dict[str, Any] | None = None) -> str:
         path = str(self.weights_dir / f"v{version:06d}")
         if not Path(path, "config.json").exists():
             await self.learner.export.remote(path)
-        workers = self.router.workers
-        await asyncio.gather(*(workers[u].update_weights_from_disk(path, weight_version=version)
-                               for u in (urls or list(workers))))
+        clients = self.router.workers if clients is None else clients
+        self._disk_failed = await self._each(clients, lambda c: c.update_weights_from_disk(path, weight_version=version))
         if self.keep_weights:
             for old in sorted(self.weights_dir.glob("v*"))[:-self.keep_weights]:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
+    async def _each(self, clients: dict[str, Any], call: Any) -> dict[str, BaseException]:
+        """Run `call(client)` on every engine; returns the engines that failed (dead or dying:
+        the launcher restarts them, and a restarted engine loads the current version itself)."""
+        res = await asyncio.gather(*(call(c) for c in clients.values()), return_exceptions=True)
+        return {u: r for u, r in zip(clients, res) if isinstance(r, BaseException)}
+
     async def publish(self, version: int, step: int, interrupt: bool = True) -> dict[str, Any]:
-        """Make every engine serve `version`; returns timings (pause window, push)."""
+        """Make every live engine serve `version`; returns timings (pause window, push)."""
         workers = self.router.workers
         mode = None
         if interrupt:
             mode = "in_place" if self.policy == "in_place" else "abort"
         t0 = time.perf_counter()
+        failed: dict[str, BaseException] = {}
         if mode:
-            await asyncio.gather(*(c.pause(mode) for c in workers.values()))
+            failed = await self._each(workers, lambda c: c.pause(mode))
             for u in workers:
-                self.log.event(EnginePaused(engine=u, mode=mode, at=now_ns()))
+                if u not in failed:
+                    self.log.event(EnginePaused(engine=u, mode=mode, at=now_ns()))
+        live = {u: c for u, c in workers.items() if u not in failed}
         t_push = time.perf_counter()
-        path = "distributed"
+        path = self.weight_sync
         try:
-            if self.weight_sync == "distributed":
-                await self._push_distributed(version)
-            else:
-                path = await self._push_disk(version)
-        except Exception as e:  # noqa: BLE001 - an engine died mid-push: re-form the group next time
-            self._group_urls = ()
-            self.log.warn(f"weight push of version {version} over {self.weight_sync} failed ({e!r}); using disk")
-            path = await self._push_disk(version)
+            if self.weight_sync != "distributed" or failed:
+                raise _UseDisk()
+            await self._push_distributed(version)
+        except Exception as e:  # noqa: BLE001 - an engine died: re-form the group next time, use disk now
+            if not isinstance(e, _UseDisk):
+                self.log.warn(f"weight push of version {version} over {self.weight_sync} failed ({e!r}); using disk")
+            self._group_urls = () if self.weight_sync == "distributed" else self._group_urls
+            path = await self._push_disk(version, live)
+            failed |= getattr(self, "_disk_failed", {})
         push_s = time.perf_counter() - t_push
         if mode:
-            await asyncio.gather(*(c.resume() for c in self.router.workers.values()))
-            for u in workers:
-                self.log.event(EngineResumed(engine=u, version=version, at=now_ns()))
+            failed |= await self._each({u: c for u, c in live.items() if u not in failed}, lambda c: c.resume())
+            for u in live:
+                if u not in failed:
+                    self.log.event(EngineResumed(engine=u, version=version, at=now_ns()))
+        for u, e in failed.items():
+            self.log.warn(f"engine {u} did not take version {version} ({type(e).__name__}: {e}); "
+                          "the launcher restarts dead engines with the current weights")
         self.version = version
         self.log.event(VersionPublished(version=version, step=step, at=now_ns()))
         out = {"version": version, "push_s": push_s, "pause_s": time.perf_counter() - t0 if mode else 0.0,
-               "path": path}
+               "path": path, "failed_engines": len(failed)}
         self.history.append(out)
         return out
 
