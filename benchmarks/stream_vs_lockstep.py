@@ -43,14 +43,12 @@ def warm_start(recipe: Any, out: Path) -> Path:
     """The quick-start's SFT phase once, exported as an HF directory every mode starts from."""
     from transformers import AutoTokenizer
 
-    from connectors.router import free_port
     from streamrl.learner import LearnerDriver
     from streamrl.runlog import RunLog
-    from streamrl.runtime import prepare_inputs, sft_rows
+    from streamrl.runtime import sft_rows
 
-    prepare_inputs(recipe, RunLog(out / "sft-log", echo=False))
     tok = AutoTokenizer.from_pretrained(recipe.model.path)
-    drv = LearnerDriver(recipe, recipe.model.path, free_port(), pool=False)
+    drv = LearnerDriver(recipe, recipe.model.path, pool=False)
     s = recipe.sft
     drv.sft(sft_rows(recipe, tok), s.steps, s.lr, s.batch_size, recipe.run.seed)
     return Path(drv.export(str(out / "sft-model")))
@@ -92,6 +90,10 @@ def main() -> None:
     from streamrl.run import run_async
 
     work = Path(tempfile.mkdtemp(prefix="stream-vs-lockstep-"))
+    from streamrl.runlog import RunLog
+    from streamrl.runtime import prepare_inputs
+
+    prepare_inputs(base, RunLog(work / "prepare", echo=False))
     t0 = time.perf_counter()
     model = warm_start(base, work) if base.sft is not None else Path(base.model.path)
     sft_s = time.perf_counter() - t0

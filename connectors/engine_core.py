@@ -68,6 +68,7 @@ class EngineCore:
         self.max_context = max_context or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         self.max_running = max_running
+        self.prefill_batch = 32  # requests prefilled together per loop turn
         self.weight_version = weight_version
         self.seed = seed
         self._waiting: deque[GenRequest] = deque()
@@ -190,26 +191,44 @@ class EngineCore:
         self.abort()
 
     def _admit(self) -> None:
+        """Prefill up to `prefill_batch` waiting requests in one forward. The rest wait for the
+        next loop turn, so pause/abort/weight updates are never held up behind a long queue."""
         with self._cond:
-            while self._waiting and len(self._running) + len(self._joining) < self.max_running:
+            room = min(self.prefill_batch, self.max_running - len(self._running) - len(self._joining))
+            while self._waiting and room > 0:
                 self._joining.append(self._waiting.popleft())
-        while self._joining:
-            r = self._joining[0]
-            if r.max_new_tokens == 0:  # prefill only, as SGLang: nothing generated
-                self._finish(r, {"type": "length", "length": 0})
-            else:
-                self._prefill(r)
-            self._joining.pop(0)
+                room -= 1
+        if not self._joining:
+            return
+        for r in [r for r in self._joining if r.max_new_tokens == 0]:  # prefill only, as SGLang: nothing generated
+            self._finish(r, {"type": "length", "length": 0})
+        todo = [r for r in self._joining if r.finish is None]
+        if todo:
+            self._prefill(todo)
+        self._joining = []
 
     @torch.inference_mode()
-    def _prefill(self, r: GenRequest) -> None:
-        """Run prompt (+ any output kept from before a retract or resume) and sample one token."""
-        ids = r.input_ids + r.output_ids
-        out = self.model(input_ids=torch.tensor([ids]), use_cache=True)
-        r.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        self._sample_and_record([r], out.logits[:, -1, :])
-        if r.finish is None:
-            self._running.append(r)
+    def _prefill(self, reqs: list[GenRequest]) -> None:
+        """Run prompts (+ any output kept from before a retract or resume), left-padded into one
+        batch, and sample one token each; each request keeps its slice of the KV cache."""
+        seqs = [r.input_ids + r.output_ids for r in reqs]
+        lens = [len(x) for x in seqs]
+        lmax = max(lens)
+        ids = torch.zeros(len(reqs), lmax, dtype=torch.long)
+        mask = torch.zeros(len(reqs), lmax, dtype=torch.long)
+        for i, (x, n) in enumerate(zip(seqs, lens)):
+            ids[i, lmax - n:] = torch.tensor(x)
+            mask[i, lmax - n:] = 1
+        if len(reqs) == 1:  # no padding: the plain call
+            out = self.model(input_ids=ids, use_cache=True)
+        else:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                             use_cache=True)
+        layers = out.past_key_values.layers
+        for i, (r, n) in enumerate(zip(reqs, lens)):
+            r.kv = [(layer.keys[i: i + 1, :, lmax - n:], layer.values[i: i + 1, :, lmax - n:]) for layer in layers]
+        self._sample_and_record(reqs, out.logits[:, -1, :])
+        self._running.extend(r for r in reqs if r.finish is None)
 
     @torch.inference_mode()
     def _decode(self) -> None:

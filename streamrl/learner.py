@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -67,13 +68,16 @@ def batch_metrics(batch: Batch, rewards: list[float]) -> dict[str, Any]:
 
 
 class LearnerDriver:
-    def __init__(self, recipe: Recipe, model_dir: str, port: int, pool: bool = True) -> None:
+    def __init__(self, recipe: Recipe, model_dir: str, port: int = 0, pool: bool = True) -> None:
+        """`port`: of the learner's own torch.distributed store; 0 picks a free one here (a port
+        chosen in another process may be taken by the time this one binds it)."""
         from connectors.mcore_learner import MegatronLearner, RLConfig, init_single_process
+        from connectors.router import free_port
 
         if recipe.learner.cpus:
             os.sched_setaffinity(0, recipe.learner.cpus)
         torch.set_num_threads(recipe.learner.threads)
-        init_single_process(port, recipe.run.seed)
+        init_single_process(port or free_port(), recipe.run.seed)
         lc = recipe.learner
         self.r, self.model_dir = recipe, str(model_dir)
         self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
@@ -86,7 +90,10 @@ class LearnerDriver:
             self.pool = LancePool(recipe.pool_uri, commit_linger_ms=recipe.pool.commit_linger_ms,
                                   compact_every=recipe.pool.compact_every)
         self._group = None
-        self._meta: tuple[list[str], list[str], list[list[int]]] | None = None
+        # The weights engines get are a copy taken right after each step, so they can be pushed
+        # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------ SFT warm-start
 
@@ -142,7 +149,9 @@ class LearnerDriver:
         wait_s = time.perf_counter() - t_wait
         rows, rewards = learner_rows(batch.groups, self.r.learner.advantage)
         t0 = time.perf_counter()
-        stats = self.learner.rl_step(rows, self.cfg) if rows else {}
+        with self._lock:
+            stats = self.learner.rl_step(rows, self.cfg) if rows else {}
+            self._snapshot = {k: v.detach().clone() for k, v in self.learner.hf_state_dict().items()}
         train_s = time.perf_counter() - t0
         tokens = sum(len(r.response) for r in rows)
         return {"step": step, "policy_version": self.version, "wait_s": wait_s, "train_s": train_s,
@@ -151,16 +160,23 @@ class LearnerDriver:
 
     # ------------------------------------------------------------ weights
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The newest published weights (HF names)."""
+        if self._snapshot is not None:
+            return self._snapshot
+        with self._lock:
+            return {k: v.detach().clone() for k, v in self.learner.hf_state_dict().items()}
+
     def export(self, out_dir: str) -> str:
-        """HF safetensors of the current policy (disk weight sync, restarted engines, the final model)."""
+        """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model)."""
         from connectors.mcore_checkpoint import export_hf
 
-        return str(export_hf(self.learner, self.model_dir, out_dir))
+        return str(export_hf(self, self.model_dir, out_dir))
 
     def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
         from connectors.weight_sync import dtype_name
 
-        state = self.learner.hf_state_dict()
+        state = self.hf_state_dict()
         return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
 
     def init_weight_group(self, host: str, port: int, world_size: int, group_name: str) -> None:
@@ -177,13 +193,13 @@ class LearnerDriver:
         from connectors.weight_sync import broadcast
 
         assert self._group is not None, "init_weight_group first"
-        with torch.no_grad():
-            broadcast(self._group, [t.detach() for t in self.learner.hf_state_dict().values()])
+        broadcast(self._group, list(self.hf_state_dict().values()))
 
     def checkpoint(self, root: str, extra: dict[str, Any]) -> str:
         from connectors.mcore_checkpoint import save_checkpoint
 
-        return str(save_checkpoint(self.learner, root, extra=extra, keep_last=3))
+        with self._lock:
+            return str(save_checkpoint(self.learner, root, extra=extra, keep_last=3))
 
     def close(self) -> None:
         if self.pool is not None:
@@ -193,11 +209,12 @@ class LearnerDriver:
 def learner_actor(num_cpus: float = 1, num_gpus: float = 0) -> Any:
     import ray
 
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(_ActorLearner)
+    # Two threads: a weight push or export runs while the next step trains.
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=2)(_ActorLearner)
 
 
 class _ActorLearner(LearnerDriver):
-    def __init__(self, recipe_json: bytes, model_dir: str, port: int, tokenizer_dir: str) -> None:
+    def __init__(self, recipe_json: bytes, model_dir: str, tokenizer_dir: str) -> None:
         import warnings
 
         import msgspec
@@ -206,7 +223,7 @@ class _ActorLearner(LearnerDriver):
         # megatron-core announces every missing GPU extra (TE, Apex) once per import: not news on CPU.
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
         hf_logging.disable_progress_bar()
-        super().__init__(msgspec.json.decode(recipe_json, type=Recipe), model_dir, port)
+        super().__init__(msgspec.json.decode(recipe_json, type=Recipe), model_dir)
         assert self.pool is not None
         self.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it
 

@@ -25,10 +25,16 @@ OnStep = Callable[[dict[str, Any]], None]
 
 async def stream(rt: Runtime, steps: int, on_step: OnStep) -> None:
     streams = rt.start_streaming()  # workers admit groups while (V + eta + 1) * groups_per_step allows
+    publishing = None
     for step in range(steps):
-        m = await rt.train_step(step, streams)  # oldest complete groups within the bound -> version step + 1
-        await rt.publish(step, m, interrupt=True)  # engines get it mid-generation; workers may admit more
+        training = asyncio.ensure_future(rt.train_step(step, streams))  # oldest complete groups within the bound
+        if publishing is not None:
+            await publishing  # the previous version reaches the engines while this step trains
+        m = await training  # -> version step + 1
+        publishing = asyncio.ensure_future(rt.publish(step, m, interrupt=True))  # mid-generation; workers admit more
         on_step(m)
+    if publishing is not None:
+        await publishing
     await rt.stop_workers()
 
 

@@ -103,7 +103,7 @@ class Runtime:
         from transformers import AutoTokenizer
 
         from connectors.launcher import EngineLauncher, ensure_ray
-        from connectors.router import Router, free_port
+        from connectors.router import Router
         from streamrl.broadcast import VersionBroadcaster
         from streamrl.learner import learner_actor
         from streamrl.rollout import worker_actor
@@ -121,8 +121,8 @@ class Runtime:
                 "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
         self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
         self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs").start()
-        self.learner = learner_actor(1, r.learner.num_gpus).remote(recipe_json, r.model.path, free_port(),
-                                               str(Path(r.model.tokenizer or r.model.path).resolve()))
+        self.learner = learner_actor(1, r.learner.num_gpus).remote(
+            recipe_json, r.model.path, str(Path(r.model.tokenizer or r.model.path).resolve()))
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               keep_weights=r.engines.keep_weights)
@@ -209,7 +209,7 @@ class Runtime:
                                 f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
             task = asyncio.ensure_future(self.learner.train_step.remote(step, self.eta, 5.0))
         self.version = m["policy_version"]
-        self.log.event(BatchClaimed(step=step, learner_version=self.version - 1, group_ids=m["groups"],
+        self.log.event(BatchClaimed(step=step, learner_version=m["policy_version"] - 1, group_ids=m["groups"],
                                     dropped=m["dropped_ids"], at=now_ns()))
         reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
         now, tokens = time.perf_counter(), sum(x.get("gen_tokens", 0) for x in reports)
@@ -225,9 +225,9 @@ class Runtime:
 
     async def publish(self, step: int, metrics: dict[str, Any], interrupt: bool) -> None:
         """Push the learner's new version to every engine, then let the workers admit under it."""
-        pub = await self.broadcaster.publish(self.version, step, interrupt)
+        pub = await self.broadcaster.publish(metrics["policy_version"], step, interrupt)
         metrics.update(pause_s=pub["pause_s"], push_s=pub["push_s"])
-        await asyncio.gather(*(w.set_version.remote(self.version) for w in self.workers))
+        await asyncio.gather(*(w.set_version.remote(metrics["policy_version"]) for w in self.workers))
         self.steps.append(metrics)
         self.log.metrics({k: v for k, v in metrics.items() if k != "groups"} | {"groups": metrics["groups"]})
         every = self.r.run.checkpoint_every
@@ -239,7 +239,7 @@ class Runtime:
     async def checkpoint(self, step: int) -> None:
         path = await self.learner.checkpoint.remote(str(self.dir / "checkpoints"), {
             "step": step, "workers": [x["data_state"] for x in getattr(self, "_reports", [])]})
-        self.log.event(RunCheckpointed(step=step, version=self.version, path=path, at=now_ns()))
+        self.log.event(RunCheckpointed(step=step, version=int(Path(path).name.split("_")[-1]), path=path, at=now_ns()))
 
     async def evaluate(self, step: int) -> dict[str, Any] | None:
         """Held-out accuracy at the version the engines serve now (eval.jsonl)."""
@@ -256,10 +256,11 @@ class Runtime:
             recs.append(rec)
         async with SGLangClient(self.router.url) as c:
             res = await evaluate(c, self.tokenizer, recs, self.r)
-        row = {"policy_version": self.version, "step": step, "wall_time_s": time.perf_counter() - self.t0, **res}
+        served = self.broadcaster.version  # what the engines serve (the learner may be a step ahead)
+        row = {"policy_version": served, "step": step, "wall_time_s": time.perf_counter() - self.t0, **res}
         self.evals.append(row)
         self.log.eval(row)
-        self.log.info(f"eval at version {self.version}: accuracy {res['accuracy']:.3f} "
+        self.log.info(f"eval at version {served}: accuracy {res['accuracy']:.3f} "
                       f"(greedy {res['greedy_accuracy']:.3f}) over {res['prompts']} prompts")
         return row
 
