@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-os.environ.setdefault("RUST_LOG", "error")  # Lance logs expected events (new table) as WARN
+# Lance logs expected events (a new table, a compaction that lost a race and is retried) as WARN.
+os.environ.setdefault("RUST_LOG", "error")
+os.environ.setdefault("LANCE_LOG", "error")
 
 
 from pools.base import ExperiencePool, PoolError

@@ -222,6 +222,7 @@ class _ActorLearner(LearnerDriver):
 
         # megatron-core announces every missing GPU extra (TE, Apex) once per import: not news on CPU.
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
+        warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
         hf_logging.disable_progress_bar()
         super().__init__(msgspec.json.decode(recipe_json, type=Recipe), model_dir)
         assert self.pool is not None

@@ -33,7 +33,8 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True) -> dict[str
         await rt.start()
         summary["setup_s"] = time.perf_counter() - t_setup
         before = await rt.evaluate(0)
-        bar = tqdm(total=r.run.steps, desc=f"{r.run.mode} RL", unit="step", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(total=r.run.steps, desc=f"{r.run.mode} RL", unit="step", disable=not progress, dynamic_ncols=True,
+                   mininterval=1.0)
 
         seen = [0]
 
