@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,21 @@ from pathlib import Path
 from typing import Any
 
 from connectors.sglang_client import SGLangClient
+
+
+if sys.platform.startswith("linux"):
+    import ctypes
+
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: the forked child must not import
+else:
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """In the router's child process: SIGTERM it when the thread that started it dies, so a
+    killed run leaves no router behind (Linux PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,7 +62,8 @@ class Router:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / "router.log", "ab")  # noqa: SIM115 - lives as long as the router
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+                                     env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+                                     preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -93,7 +110,7 @@ class Router:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"router did not register {url} within {timeout_s}s")
             await asyncio.sleep(0.1)
-        self._workers[url] = SGLangClient(url)
+        self._workers[url] = SGLangClient(url, connect_retries=1)  # control calls to a dead engine fail fast
 
     async def remove_worker(self, url: str, timeout_s: float = 10) -> None:
         """Deregister a worker and wait until the router no longer lists it (the router's

@@ -226,7 +226,7 @@ class Runtime:
     async def publish(self, step: int, metrics: dict[str, Any], interrupt: bool) -> None:
         """Push the learner's new version to every engine, then let the workers admit under it."""
         pub = await self.broadcaster.publish(metrics["policy_version"], step, interrupt)
-        metrics.update(pause_s=pub["pause_s"], push_s=pub["push_s"])
+        metrics.update(pause_s=pub["pause_s"], push_s=pub["push_s"], failed_engines=pub["failed_engines"])
         await asyncio.gather(*(w.set_version.remote(metrics["policy_version"]) for w in self.workers))
         self.steps.append(metrics)
         self.log.metrics({k: v for k, v in metrics.items() if k != "groups"} | {"groups": metrics["groups"]})

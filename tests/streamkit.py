@@ -1,0 +1,509 @@
+"""Helpers for the end-to-end tests of `streamrl run` (tests/test_stream_e2e.py).
+
+Everything here looks at a run the way a user does: it starts `streamrl run` as a subprocess
+and reads what the run leaves behind (exit code, stderr, RUN_DIR/metrics.jsonl, events.jsonl,
+run.log, the experience pool, `streamrl pool stats --json`, the pushed weights). Nothing
+imports the runtime's internals.
+
+    recipe = write_recipe(tmp_path, model_dir, train_path, {"staleness.max_staleness": 4})
+    res = run_recipe(recipe, run_dir)          # fails the test with stderr/run.log/engine log tails
+    metrics = read_metrics(run_dir)
+    stats = assert_ledger_balanced(run_dir)    # `streamrl pool stats RUN_DIR --json`
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+RUN_TIMEOUT_S = 480  # one `streamrl run` (start-up alone takes 25-60 s on a busy 2-core machine)
+
+STEP_KEYS = ("step", "policy_version", "wall_time_s", "reward_mean", "staleness_mean", "staleness_max",
+             "dropped_stale", "loss", "kl", "entropy", "grad_norm", "gen_tokens_per_s", "train_tokens_per_s")
+
+
+# ---------------------------------------------------------------- session inputs
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 model directory (connectors.model_kit.init_model_dir, preset tiny, seed 0)
+    with its 2-D weights sharpened (enginekit.make_model_dir): a fresh tiny model samples from
+    an almost uniform distribution, so every version's log-probs would be ~-log(vocab) and a
+    log-prob check could not tell versions apart."""
+    from enginekit import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("e2e-model") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def task_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """streamrl.tasks.write_task: train.jsonl (400 prompts), eval.jsonl, sft.jsonl (unused)."""
+    from streamrl.tasks import write_task
+
+    return write_task(tmp_path_factory.mktemp("e2e-data"), seed=0, n_train=400, n_eval=16, n_sft=1)
+
+
+# ---------------------------------------------------------------- recipes
+
+
+def base_recipe(model_dir: str | Path, train_path: str | Path) -> dict[str, Any]:
+    """A small streaming recipe: no SFT, no eval, 1 engine, checkpoint only at the end. The
+    reward varies within groups and the learning rate is high, so every step moves the weights
+    enough for consecutive versions to give measurably different log-probs."""
+    return {
+        "run": {"name": "e2e", "seed": 0, "mode": "stream", "steps": 6, "checkpoint_every": 0},
+        "model": {"path": str(model_dir), "init": {"preset": "tiny", "seed": 0}},
+        "data": {"path": str(train_path), "epochs": 4},
+        "rollout": {"n_samples": 4, "groups_per_step": 2, "max_new_tokens": 8, "temperature": 1.0},
+        "staleness": {"max_staleness": 1, "policy": "drop", "partial_rollout": "abort_resume"},
+        "reward": {"fn": "rewardkit:digit_fraction"},
+        "learner": {"lr": 1.0e-2, "micro_batch_size": 64},
+        "engines": {"num": 1, "weight_sync": "disk"},
+    }
+
+
+def set_key(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+
+
+def write_recipe(tmp_path: Path, model_dir: str | Path, train_path: str | Path,
+                 overrides: Mapping[str, Any] | None = None, name: str = "recipe.yaml") -> Path:
+    """base_recipe with `{"section.key": value}` overrides (value None removes the key), as YAML."""
+    data = copy.deepcopy(base_recipe(model_dir, train_path))
+    for k, v in (overrides or {}).items():
+        if v is None:
+            *parents, last = k.split(".")
+            node = data
+            for p in parents:
+                node = node.get(p, {})
+            node.pop(last, None)
+        else:
+            set_key(data, k, v)
+    path = Path(tmp_path) / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# ---------------------------------------------------------------- running
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a `streamrl run` child: tests/ and the repo on PYTHONPATH (the run
+    hands PYTHONPATH on to its Ray workers, so `rewardkit:fn` imports there too)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["RAY_AUTH_MODE"] = "disabled"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def streamrl_cmd(args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "streamrl", *map(str, args)]
+
+
+def tail(text: str | bytes | None, n: int = 4000) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    text = text.replace("\r", "\n")
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def file_tail(path: Path, n: int = 3000) -> str:
+    try:
+        return tail(path.read_bytes(), n)
+    except OSError:
+        return "(missing)"
+
+
+def describe_run(run_dir: Path | None, proc_stderr: str | bytes | None = None, rc: int | None = None) -> str:
+    """Exit code, stderr tail, run.log tail and engine/router log tails: what to read when a run fails."""
+    parts = [f"exit code {rc}"] if rc is not None else []
+    if proc_stderr is not None:
+        parts.append("---- stderr (tail) ----\n" + tail(proc_stderr))
+    if run_dir is not None:
+        parts.append("---- run.log (tail) ----\n" + file_tail(run_dir / "run.log"))
+        for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").is_dir() else []:
+            parts.append(f"---- {log.name} (tail) ----\n" + file_tail(log, 1500))
+    return "\n".join(parts)
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """Processes holding a file under `run_dir` open (a run's router, engines, Ray workers write
+    their logs and the pool there): what is left of that run."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if any(os.readlink(f).startswith(str(run_dir)) for f in (d / "fd").iterdir()):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+def kill_session(proc: subprocess.Popen[Any], run_dir: Path | None = None) -> None:
+    """Stop a run this test started: SIGINT to the driver (it stops Ray, the router and the
+    engines in its `finally`), then SIGTERM, then SIGKILL to its process group, then SIGKILL to
+    any process still holding files of its run directory open (the sglang-router runs in a
+    session of its own and has no parent watchdog, so a killed driver can leave it behind)."""
+    for sig, grace_s in ((signal.SIGINT, 20), (signal.SIGTERM, 20)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.kill(proc.pid, sig)
+            proc.wait(grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    if run_dir is not None:
+        for pid in run_processes(run_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def start_streamrl(args: Sequence[str], log_dir: Path) -> subprocess.Popen[bytes]:
+    """`streamrl ARGS` in the background (own session), stdout/stderr to files under log_dir."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / "streamrl.stdout", "wb")  # noqa: SIM115 - closed with the process
+    err = open(log_dir / "streamrl.stderr", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(streamrl_cmd(args), cwd=REPO, env=child_env(), stdout=out, stderr=err,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    out.close()
+    err.close()
+    return proc
+
+
+def finish_streamrl(proc: subprocess.Popen[bytes], log_dir: Path, timeout_s: float = RUN_TIMEOUT_S,
+                    run_dir: Path | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_session(proc, run_dir)
+        pytest.fail(f"streamrl {proc.args[3:]} did not finish within {timeout_s}s\n"
+                    + describe_run(run_dir, (log_dir / "streamrl.stderr").read_bytes()))
+    res = subprocess.CompletedProcess(proc.args, proc.returncode,
+                                      (log_dir / "streamrl.stdout").read_text(errors="replace"),
+                                      (log_dir / "streamrl.stderr").read_text(errors="replace"))
+    if check and res.returncode != 0:
+        pytest.fail(f"streamrl {list(proc.args[3:])} failed\n" + describe_run(run_dir, res.stderr, res.returncode))
+    return res
+
+
+def run_streamrl(args: Sequence[str], timeout_s: float = RUN_TIMEOUT_S, run_dir: Path | None = None,
+                 check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run `streamrl ARGS` to the end. check=True fails the test (with stderr, run.log and
+    engine log tails) on a non-zero exit code."""
+    if run_dir is not None:
+        log_dir = run_dir.parent / f".{run_dir.name}-io"
+    else:
+        import tempfile
+
+        log_dir = Path(tempfile.mkdtemp(prefix="streamrl-io-"))
+    t0 = time.monotonic()
+    proc = start_streamrl(args, log_dir)
+    res = finish_streamrl(proc, log_dir, timeout_s, run_dir, check)
+    res.wall_s = time.monotonic() - t0  # type: ignore[attr-defined]
+    return res
+
+
+def run_recipe(recipe: Path, run_dir: Path, overrides: Sequence[str] = (), timeout_s: float = RUN_TIMEOUT_S,
+               check: bool = True) -> subprocess.CompletedProcess[str]:
+    return run_streamrl(["run", str(recipe), *overrides, "--run-dir", str(run_dir)], timeout_s, run_dir, check)
+
+
+# ---------------------------------------------------------------- reading a run directory
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def read_events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    evs = read_jsonl(run_dir / "events.jsonl")
+    return [e for e in evs if kind is None or e.get("type") == kind]
+
+
+def run_log(run_dir: Path) -> str:
+    p = run_dir / "run.log"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def open_pool(run_dir: Path) -> Any:
+    from pools import LancePool
+
+    return LancePool(run_dir / "pool", create=False)
+
+
+def pool_rows(run_dir: Path, columns: list[str] | None = None, where: str | None = None,
+              table: str = "pool") -> list[dict[str, Any]]:
+    pool = open_pool(run_dir)
+    try:
+        return pool.scan(columns, where=where, table=table).to_pylist()
+    finally:
+        pool.close()
+
+
+def pool_groups(run_dir: Path, where: str | None = None) -> list[Any]:
+    """SampleGroups (pools.schema.table_to_groups) of the rows matching `where`."""
+    from pools.schema import table_to_groups
+
+    pool = open_pool(run_dir)
+    try:
+        return table_to_groups(pool.scan(where=where))
+    finally:
+        pool.close()
+
+
+def group_rows(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """group_id -> its (group-level) columns, from the first row of each group."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in pool_rows(run_dir, ["group_id", "status", "min_version", "max_version", "consumed_step",
+                                 "consumed_version", "drop_reason"]):
+        out.setdefault(r["group_id"], r)
+    return out
+
+
+def pool_stats(run_dir: Path) -> dict[str, Any]:
+    """`streamrl pool stats RUN_DIR --json` (exit code 0 = ledger balanced, 3 = not)."""
+    res = subprocess.run(streamrl_cmd(["pool", "stats", str(run_dir), "--json"]), cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode in (0, 3), f"pool stats failed ({res.returncode}):\n{tail(res.stderr)}"
+    stats = json.loads(res.stdout)
+    stats["_exit_code"] = res.returncode
+    return stats
+
+
+def assert_ledger_balanced(run_dir: Path) -> dict[str, Any]:
+    stats = pool_stats(run_dir)
+    led = stats["ledger"]
+    assert led["lost"] == 0 and led["duplicated"] == 0 and led["unadmitted"] == 0, led
+    assert led["balanced"] is True and stats["_exit_code"] == 0, led
+    return stats
+
+
+def consumed_staleness(run_dir: Path) -> dict[str, int]:
+    """group_id -> consumed_version - min_version for every consumed group."""
+    return {g: r["consumed_version"] - r["min_version"] for g, r in group_rows(run_dir).items()
+            if r["status"] == "consumed" and r["min_version"] is not None}
+
+
+def admission_excess(run_dir: Path, eta: int, groups_per_step: int) -> list[str]:
+    """Violations of the admission invariant, read from the pool only: for every version v,
+    groups admitted at versions <= v, minus those that ended dropped by a filter (any reason
+    but `stale`) or failed, must be <= (v + eta + 1) * groups_per_step."""
+    adm = pool_rows(run_dir, ["group_id", "version"], table="admissions")
+    released = {g for g, r in group_rows(run_dir).items()
+                if r["status"] == "failed" or (r["status"] == "dropped" and r["drop_reason"] != "stale")}
+    versions = [a["version"] for a in adm]
+    problems = []
+    for v in range(0, max(versions, default=0) + 1):
+        count = sum(1 for a in adm if a["version"] <= v and a["group_id"] not in released)
+        cap = (v + eta + 1) * groups_per_step
+        if count > cap:
+            problems.append(f"version {v}: {count} groups admitted at versions <= {v} (not released) > capacity {cap}")
+    return problems
+
+
+def check_step_metrics(metrics: list[dict[str, Any]], steps: int) -> None:
+    assert [m["step"] for m in metrics] == list(range(steps)), [m.get("step") for m in metrics]
+    for m in metrics:
+        missing = [k for k in STEP_KEYS if k not in m]
+        assert not missing, f"step {m.get('step')}: metrics.jsonl lacks {missing}"
+    assert [m["policy_version"] for m in metrics] == list(range(1, steps + 1))
+
+
+# ---------------------------------------------------------------- weights and log-probs
+
+
+def weights_dir(run_dir: Path, model_dir: Path, version: int) -> Path:
+    """The HF weights of `version` as pushed to the engines (disk sync with keep_weights=0)."""
+    d = run_dir / "weights" / f"v{version:06d}"
+    if (d / "config.json").exists():
+        return d
+    if version == 0:
+        return model_dir
+    raise FileNotFoundError(f"no weights for version {version} under {run_dir / 'weights'}")
+
+
+class LogprobOracle:
+    """Token log-probs recomputed with transformers (float32) from each version's weights."""
+
+    def __init__(self, run_dir: Path, model_dir: Path, temperature: float) -> None:
+        self.run_dir, self.model_dir, self.temperature = run_dir, model_dir, temperature
+        self._models: dict[int, Any] = {}
+
+    def model(self, version: int) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if version not in self._models:
+            path = weights_dir(self.run_dir, self.model_dir, version)
+            self._models[version] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return self._models[version]
+
+    def logprobs(self, version: int, prompt: Sequence[int], response: Sequence[int]) -> np.ndarray:
+        """log_softmax(logits / T) of each response token given prompt + the tokens before it."""
+        import torch
+
+        ids = torch.tensor([list(map(int, prompt)) + list(map(int, response))])
+        with torch.no_grad():
+            logits = self.model(version)(input_ids=ids).logits[0].float()
+        p = len(prompt)
+        lp = torch.log_softmax(logits[p - 1: p - 1 + len(response)] / self.temperature, -1)
+        return lp.gather(1, torch.tensor(list(map(int, response)))[:, None])[:, 0].numpy()
+
+    def in_place_logprobs(self, prompt: Sequence[int], response: Sequence[int],
+                          spans: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        """What an engine that updates weights in place (keeping its KV cache) computes: the
+        prompt and the first span run under the first span's version; the tokens of span k are
+        then decoded by version v_k on top of the KV cache built so far (by older versions).
+        The KV entry of response token i-1 is computed in the step that samples token i, so
+        span k (tokens [a, b)) feeds tokens [a-1, b-1) through version v_k."""
+        import torch
+        from transformers import DynamicCache
+
+        prompt, response = list(map(int, prompt)), list(map(int, response))
+        cache = DynamicCache()
+        out = []
+        for k, (v, a, b) in enumerate(spans):
+            feed = prompt + response[: b - 1] if k == 0 else response[a - 1: b - 1]
+            with torch.no_grad():
+                logits = self.model(v)(input_ids=torch.tensor([feed]), past_key_values=cache,
+                                       use_cache=True).logits[0].float()
+            lp = torch.log_softmax(logits[len(logits) - (b - a):] / self.temperature, -1)
+            out.append(lp.gather(1, torch.tensor(response[a:b])[:, None])[:, 0].numpy())
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+# ---------------------------------------------------------------- processes
+
+
+def engine_pids(model_dir: Path) -> list[int]:
+    """Embedded-engine processes serving `model_dir`: their command line (connectors/launcher.py
+    engine_command) holds the model directory and `engine_server` (the shim imports `serve`)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(model_dir) in cmd and "engine_server" in cmd and "serve" in cmd:
+            pids.append(int(d.name))
+    return sorted(pids)
+
+
+def wait_for(cond: Any, timeout_s: float, what: str, poll_s: float = 0.1,
+             alive: subprocess.Popen[Any] | None = None) -> Any:
+    """Poll `cond()` until truthy; fails with `what` on timeout (or when `alive` exits first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        if alive is not None and alive.poll() is not None:
+            raise AssertionError(f"the run exited ({alive.returncode}) while waiting for {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def wait_stable(value: Any, stable_s: float, timeout_s: float, what: str,
+                alive: subprocess.Popen[Any] | None = None) -> Any:
+    """Poll `value()` until it has not changed for `stable_s` seconds; returns it."""
+    deadline = time.monotonic() + timeout_s
+    last, since = value(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        if alive is not None and alive.poll() is not None:
+            raise AssertionError(f"the run exited ({alive.returncode}) while waiting for {what}")
+        v = value()
+        if v != last:
+            last, since = v, time.monotonic()
+        elif time.monotonic() - since >= stable_s:
+            return v
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} to settle (last {last!r})")
+
+
+def parent_pid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[1])
+
+
+def engine_port(pid: int) -> int | None:
+    """The port in an embedded engine's command line (its JSON argument)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for part in cmd:
+        if part.startswith(b"{"):
+            return int(json.loads(part)["port"])
+    return None
+
+
+def http_json(url: str, timeout_s: float = 2) -> Any:
+    """GET url -> decoded JSON, or None when it cannot be reached."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return json.loads(r.read() or b"null")
+    except (OSError, ValueError):
+        return None
+
+
+def restarted_engine_port(run_dir: Path, start: int = 2) -> int | None:
+    """The port of the engine the launcher (re)started as `start #N` (logs/engine-<i>.log header)."""
+    import re
+
+    for log in sorted((run_dir / "logs").glob("engine-*.log")):
+        m = re.findall(rf"start #{start} backend=\w+ port=(\d+)".encode(), log.read_bytes())
+        if m:
+            return int(m[-1])
+    return None
+
+
+def spans_of(sample: Any) -> list[tuple[int, int, int]]:
+    return [(int(s.version), int(s.start), int(s.end)) for s in sample.spans]
+
+
+def resumed_samples(groups: Iterable[Any]) -> list[tuple[Any, Any]]:
+    """(group, sample) for every sample whose tokens span several policy versions."""
+    return [(g, s) for g in groups for s in g.samples if len({sp.version for sp in s.spans}) > 1]
