@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from connectors import sglang_api as api
 from connectors.sglang_client import EngineError, SGLangClient
 from streamrl import partial, staleness
 from streamrl.data import PromptRecord, PromptSource
@@ -78,6 +79,8 @@ class RolloutWorker:
         self._wake = asyncio.Event()
         self._stopping = False
         self._accepted = 0
+        self._failed_in_a_row = 0
+        self._last_failure: str | None = None
         self.exhausted = False
 
     # ------------------------------------------------------------ control (called by the driver)
@@ -116,11 +119,13 @@ class RolloutWorker:
         """Start groups while admission control allows, until stopped or out of prompts."""
         await self._resume_partials()
         while not self._stopping:
-            if self.started + 1 > self.capacity() or len(self.inflight) >= self.r.rollout.max_concurrency:
+            self._check_failing()
+            room = min(self.capacity() - self.started, self.r.rollout.max_concurrency - len(self.inflight))
+            if room <= 0:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if not await self._start_next():
+            if not await self._start(room):
                 break
         return self.report()
 
@@ -129,8 +134,10 @@ class RolloutWorker:
         await self._resume_partials()
         target = self._accepted + num_groups
         while self._accepted < target and not self._stopping:
-            if self._accepted + len(self.inflight) < target and len(self.inflight) < self.r.rollout.max_concurrency:
-                if await self._start_next():
+            self._check_failing()
+            room = min(target - self._accepted - len(self.inflight), self.r.rollout.max_concurrency - len(self.inflight))
+            if room > 0:
+                if await self._start(room):
                     continue
                 if not self.inflight:
                     break
@@ -147,22 +154,28 @@ class RolloutWorker:
         self.exhausted = True
         return None
 
-    async def _start_next(self) -> bool:
-        rec = self._next_record()
-        if rec is None:
-            return False
-        gid = make_group_id(self.producer_id, rec.epoch, rec.index)
-        n = self.r.rollout.n_samples
-        t = now_ns()
+    async def _start(self, count: int) -> int:
+        """Start up to `count` groups, admitted in one commit (a commit costs 5-20 ms: admitting
+        groups one by one would be most of a small step's time). Returns how many started."""
+        recs = []
+        while len(recs) < count and (rec := self._next_record()) is not None:
+            recs.append(rec)
+        if not recs:
+            return 0
+        n, t = self.r.rollout.n_samples, now_ns()
+        gids = [make_group_id(self.producer_id, rec.epoch, rec.index) for rec in recs]
         await self.pool.admit_async([Admission(group_id=gid, prompt_id=rec.prompt_id, n=n, producer_id=self.producer_id,
-                                               version=self.version, admitted_at=t)])
-        prompt_ids = encode_prompt(self.tokenizer, rec.prompt)
-        # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
-        meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
-                "admitted_ns": t}
-        trajs = [partial.Trajectory(prompt=prompt_ids, max_new_tokens=self.r.rollout.max_new_tokens) for _ in range(n)]
-        self._launch(gid, rec.prompt_id, meta, trajs)
-        return True
+                                               version=self.version, admitted_at=t + k)
+                                     for k, (gid, rec) in enumerate(zip(gids, recs))])
+        for k, (gid, rec) in enumerate(zip(gids, recs)):
+            prompt_ids = encode_prompt(self.tokenizer, rec.prompt)
+            # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
+            meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
+                    "admitted_ns": t + k}
+            trajs = [partial.Trajectory(prompt=prompt_ids, max_new_tokens=self.r.rollout.max_new_tokens)
+                     for _ in range(n)]
+            self._launch(gid, rec.prompt_id, meta, trajs)
+        return len(recs)
 
     def _launch(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
         self.started += 1
@@ -184,7 +197,7 @@ class RolloutWorker:
     async def _run_group(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
         state = {"saving": None}
         try:
-            await asyncio.gather(*(self._generate(gid, i, t, trajs, meta, prompt_id, state) for i, t in enumerate(trajs)))
+            await self._generate(gid, trajs, meta, prompt_id, state)
             if state["saving"] is not None:
                 await state["saving"]
             group = await self._finish(gid, prompt_id, meta, trajs)
@@ -193,42 +206,72 @@ class RolloutWorker:
                                          at=now_ns()))
             if group.status == "complete":
                 self._accepted += 1
+                self._failed_in_a_row = 0
                 self.stats["groups_complete"] += 1
             else:
                 self.started -= 1  # a dropped or failed group does not use up staleness capacity
                 self.stats[f"groups_{group.status}"] += 1
-        except Exception:  # noqa: BLE001 - one broken group must not stop the worker
+                if group.status == "failed":
+                    self._failed_in_a_row += 1
+                    self._last_failure = group.drop_reason
+        except Exception as e:  # noqa: BLE001 - one broken group must not stop the worker
             log.exception("group %s failed; it stays in flight in the ledger", gid)
             self.stats["group_errors"] += 1
+            self._failed_in_a_row += 1
+            self._last_failure = f"{type(e).__name__}: {e}"
 
-    async def _generate(self, gid: str, i: int, t: partial.Trajectory, trajs: list[partial.Trajectory],
-                        meta: dict[str, Any], prompt_id: str, state: dict[str, Any]) -> None:
+    def _check_failing(self) -> None:
+        """Every sample of many groups in a row failed (engines unreachable, a reward function that
+        always raises): stop instead of replacing them forever."""
+        limit = max(8, 2 * self.r.rollout.groups_per_step)
+        if self._failed_in_a_row >= limit:
+            raise RuntimeError(f"{self.producer_id}: the last {self._failed_in_a_row} groups all failed; the last "
+                               f"error: {self._last_failure}")
+
+    async def _generate(self, gid: str, trajs: list[partial.Trajectory], meta: dict[str, Any], prompt_id: str,
+                        state: dict[str, Any]) -> None:
+        """Generate the group's unfinished responses, one batched /generate per remaining budget
+        (a group's samples usually share it), until every response is finished."""
         failures = 0
-        while not t.done:
-            ids, budget = partial.next_request(t)
-            try:
-                res = await self.client.generate(ids, {**self.sampling, "max_new_tokens": budget},
-                                                 rid=f"{gid}/{i}/{t.calls}")
-            except (EngineError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-                # Nothing came back from this call (e.g. its engine died): resubmit from what we have.
+        while not all(t.done for t in trajs):
+            by_budget: dict[int, list[int]] = {}
+            for i, t in enumerate(trajs):
+                if not t.done:
+                    by_budget.setdefault(t.remaining, []).append(i)
+            # No rids: sglang-router 0.3.2 refuses a list of them (422), and we abort by pausing, not by rid.
+            calls = [self.client.generate_batch(
+                [partial.next_request(trajs[i])[0] for i in idx],
+                api.SamplingParams(**self.sampling, max_new_tokens=budget)) for budget, idx in by_budget.items()]
+            aborted = failed = False
+            for idx, res in zip(by_budget.values(), await asyncio.gather(*calls, return_exceptions=True)):
+                if isinstance(res, (EngineError, aiohttp.ClientError, asyncio.TimeoutError)):
+                    # Nothing came back from this call (e.g. its engine died): resubmit from what we have.
+                    failed, error = True, f"{type(res).__name__}: {res}"
+                    self.stats["engine_errors"] += 1
+                    continue
+                if isinstance(res, BaseException):
+                    raise res
+                for i, r in zip(idx, res):
+                    self.stats["gen_tokens"] += len(r.output_ids)
+                    partial.absorb(trajs[i], r.output_ids, r.logprobs, r.version_spans(), r.finish_type, self.policy)
+                    if r.finish_type == "abort":
+                        aborted = True
+                        self.stats["interrupted_calls"] += 1
+            if aborted and state["saving"] is None:
+                state["saving"] = asyncio.create_task(self._save_partial(gid, prompt_id, meta, trajs, state))
+            if failed:
                 failures += 1
-                self.stats["engine_errors"] += 1
                 if failures >= ENGINE_RETRIES:
-                    t.error = f"generation failed {failures} times in a row: {type(e).__name__}: {e}"
+                    for t in trajs:
+                        if not t.done:
+                            t.error = f"generation failed {failures} times in a row: {error}"
                     return
                 await asyncio.sleep(min(5.0, 0.2 * failures))
-                continue
-            failures = 0
-            self.stats["gen_tokens"] += len(res.output_ids)
-            partial.absorb(t, res.output_ids, res.logprobs, res.version_spans(), res.finish_type, self.policy)
-            if res.finish_type == "abort":
-                self.stats["interrupted_calls"] += 1
-                if state["saving"] is None:  # one partial save per group however many samples aborted
-                    state["saving"] = asyncio.create_task(self._save_partial(gid, prompt_id, meta, trajs, state))
+            else:
+                failures = 0
 
     async def _save_partial(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory],
                             state: dict[str, Any]) -> None:
-        await asyncio.sleep(0)  # let the other samples of the group register their aborts first
         state["saving"] = None
         group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=trajs[0].prompt,
                             samples=[partial.to_sample(t, i) for i, t in enumerate(trajs)],

@@ -187,7 +187,8 @@ class Runtime:
 
     async def generate(self, num_groups: int) -> None:
         """Each worker produces its share of `num_groups` accepted groups (lockstep, one-step-off)."""
-        await asyncio.gather(*(w.generate.remote(k) for w, k in zip(self.workers, self._shares(num_groups)) if k))
+        await asyncio.gather(*(_worker_result(w.generate.remote(k))
+                               for w, k in zip(self.workers, self._shares(num_groups)) if k))
 
     def start_streaming(self) -> list[Any]:
         return [w.stream.remote() for w in self.workers]
@@ -202,6 +203,9 @@ class Runtime:
             m = await task
             if m is not None:
                 break
+            for s in streams or []:
+                if _done(s):
+                    await _worker_result(s)  # a worker that stopped with an error ends the run with that error
             if streams and all(_done(s) for s in streams):
                 reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
                 raise RunFailed(f"step {step}: no batch of {self.r.rollout.groups_per_step} groups can be formed and "
@@ -266,6 +270,16 @@ class Runtime:
 
     async def export(self) -> str:
         return await self.learner.export.remote(str(self.dir / "model"))
+
+
+async def _worker_result(ref: Any) -> Any:
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        raise RunFailed(f"a rollout worker stopped: {cause}") from None
 
 
 def _done(ref: Any) -> bool:
