@@ -94,6 +94,7 @@ class Runtime:
         self.t0 = time.perf_counter()
         self._last = (time.perf_counter(), 0)
         self.evals: list[dict[str, Any]] = []
+        self._accepted: dict[int, int] = {}  # groups each worker has produced (lockstep, one-step-off)
         self.steps: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ start / stop
@@ -187,8 +188,16 @@ class Runtime:
 
     async def generate(self, num_groups: int) -> None:
         """Each worker produces its share of `num_groups` accepted groups (lockstep, one-step-off)."""
-        await asyncio.gather(*(_worker_result(w.generate.remote(k))
-                               for w, k in zip(self.workers, self._shares(num_groups)) if k))
+        shares = self._shares(num_groups)
+        busy = [i for i, k in enumerate(shares) if k]
+        before = {i: self._accepted.get(i, 0) for i in busy}
+        reports = await asyncio.gather(*(_worker_result(self.workers[i].generate.remote(shares[i])) for i in busy))
+        for i, r in zip(busy, reports):
+            self._accepted[i] = r["accepted"]
+        made = sum(self._accepted[i] - before[i] for i in busy)
+        if made < num_groups and any(r["exhausted"] for r in reports):
+            raise RunFailed(f"the rollout workers ran out of prompts ({made} of {num_groups} groups for this step); "
+                            "raise data.epochs or lower run.steps")
 
     def start_streaming(self) -> list[Any]:
         return [w.stream.remote() for w in self.workers]

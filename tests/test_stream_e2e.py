@@ -465,6 +465,23 @@ def test_engine_death_shows_in_the_metrics_of_the_step_it_hit(kill_run: KillRun)
         f"step {r.killed_at} published to a dead engine, its metrics show {shown}")
 
 
+def test_running_out_of_prompts_ends_the_run_with_a_reason(tmp_path: Path, tiny_model: Path,  # noqa: F811
+                                                          task_data: dict[str, Path]) -> None:  # noqa: F811
+    # 6 prompts, one epoch, 2 groups per step: step 3 can have no batch. The run must stop with
+    # exit 2 and say why, not wait forever for groups that will never come.
+    lines = task_data["train"].read_text().splitlines()[:6]
+    small = tmp_path / "six.jsonl"
+    small.write_text("\n".join(lines) + "\n")
+    recipe = sk.write_recipe(tmp_path, tiny_model, small, {"data.epochs": 1, "data.shuffle": False})
+    run_dir = tmp_path / "run"
+    res = sk.run_recipe(recipe, run_dir, ["run.mode=lockstep", "run.steps=5"], timeout_s=300, check=False)
+    assert res.returncode == 2, sk.describe_run(run_dir, res.stderr, res.returncode)
+    assert "ran out of prompts" in res.stderr and "data.epochs" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert len(sk.read_metrics(run_dir)) == 3
+    sk.assert_ledger_balanced(run_dir)
+
+
 # ---------------------------------------------------------------- 4. lockstep and one-step-off
 
 
