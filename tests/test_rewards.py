@@ -186,13 +186,13 @@ def test_remote_rm_errors(monkeypatch: pytest.MonkeyPatch):
 # ---------------------------------------------------------------- the hub
 
 # User reward functions live in a throwaway module so the hub resolves them by dotted path.
-mod = types.ModuleType("rewardkit")
-sys.modules["rewardkit"] = mod
+mod = types.ModuleType("hubfns")
+sys.modules["hubfns"] = mod
 
 
 def register(fn: Callable) -> str:
     setattr(mod, fn.__name__, fn)
-    return f"rewardkit:{fn.__name__}"
+    return f"hubfns:{fn.__name__}"
 
 
 def test_per_sample_sync_gets_only_accepted_kwargs():
@@ -395,12 +395,12 @@ def test_construction_errors():
 
     with pytest.raises(ValueError, match=r"needs \['threshold'\].*reward\.args"):
         RewardHub(register(strict))
-    with pytest.raises(ValueError, match=r"reward\.args \['treshold'\] are not parameters of rewardkit:strict"):
+    with pytest.raises(ValueError, match=r"reward\.args \['treshold'\] are not parameters of hubfns:strict"):
         RewardHub(register(strict), {"threshold": 1, "treshold": 2})
     with pytest.raises(ValueError, match=r"reward\.args \['label'\] clash"):
         RewardHub(register(strict), {"threshold": 1, "label": "x"})
-    with pytest.raises(ValueError, match=r"reward\.fn 'rewardkit:missing'.*no attribute 'missing'"):
-        RewardHub("rewardkit:missing")
+    with pytest.raises(ValueError, match=r"reward\.fn 'hubfns:missing'.*no attribute 'missing'"):
+        RewardHub("hubfns:missing")
     with pytest.raises(ValueError, match=r"needs \['url'\]"):
         RewardHub("streamrl.rewards:remote_rm")
     assert RewardHub(register(strict), {"threshold": 1}).per_group is False
@@ -417,6 +417,6 @@ def test_callable_object_with_async_call():
             return float(response == label)
 
     mod.judge = Judge()
-    hub = RewardHub("rewardkit:judge")
+    hub = RewardHub("hubfns:judge")
     assert hub._is_async and hub.name == "judge"
     assert [s.reward for s in run(hub.score(None, "a", ["a", "b"]))] == [1.0, 0.0] and mod.judge.calls == 2
