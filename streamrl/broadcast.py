@@ -73,16 +73,18 @@ class VersionBroadcaster:
                                               group_name=self._group_name)
             for u, c in self.router.workers.items()))
 
-    async def _push_disk(self, version: int, clients: dict[str, Any] | None = None) -> str:
+    async def push_disk(self, version: int,
+                        clients: dict[str, Any] | None = None) -> tuple[str, dict[str, BaseException]]:
+        """Export `version` to disk and have the engines load it; returns the path and the engines that failed."""
         path = str(self.weights_dir / f"v{version:06d}")
         if not Path(path, "config.json").exists():
             await self.learner.export.remote(path)
         clients = self.router.workers if clients is None else clients
-        self._disk_failed = await self._each(clients, lambda c: c.update_weights_from_disk(path, weight_version=version))
+        failed = await self._each(clients, lambda c: c.update_weights_from_disk(path, weight_version=version))
         if self.keep_weights:
             for old in sorted(self.weights_dir.glob("v*"))[:-self.keep_weights]:
                 shutil.rmtree(old, ignore_errors=True)
-        return path
+        return path, failed
 
     async def _each(self, clients: dict[str, Any], call: Any) -> dict[str, BaseException]:
         """Run `call(client)` on every engine; returns the engines that failed (dead or dying:
@@ -114,8 +116,8 @@ class VersionBroadcaster:
             if not isinstance(e, _UseDisk):
                 self.log.warn(f"weight push of version {version} over {self.weight_sync} failed ({e!r}); using disk")
             self._group_urls = () if self.weight_sync == "distributed" else self._group_urls
-            path = await self._push_disk(version, live)
-            failed |= getattr(self, "_disk_failed", {})
+            path, disk_failed = await self.push_disk(version, live)
+            failed |= disk_failed
         push_s = time.perf_counter() - t_push
         if mode:
             failed |= await self._each({u: c for u, c in live.items() if u not in failed}, lambda c: c.resume())

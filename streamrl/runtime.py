@@ -138,9 +138,9 @@ class Runtime:
             await self._sft()
         await engines_up
         if r.sft is not None:
-            await self.broadcaster._push_disk(0)
-            if self.broadcaster._disk_failed:
-                raise RunFailed(f"engines could not load the SFT weights: {self.broadcaster._disk_failed}")
+            _, failed = await self.broadcaster.push_disk(0)
+            if failed:
+                raise RunFailed(f"engines could not load the SFT weights: {failed}")
         self.workers = [worker_actor().remote(recipe_json, self.router.url, i, r.rollout.workers, 0, None)
                         for i in range(r.rollout.workers)]
         await asyncio.gather(*(w.ready.remote() for w in self.workers))
