@@ -318,6 +318,27 @@ class LancePool:
             return []
         return table_to_groups(self.scan(where=f"group_id IN ({_quote(group_ids)})"))
 
+    def consumed_steps(self, first: int = 0, last: int | None = None) -> dict[int, list[str]]:
+        """{learner step: ids of the groups it trained on} for steps first..last: what a resumed run
+        re-trains after its checkpoint and what `streamrl replay` re-trains."""
+        where = f"status = 'consumed' AND consumed_step >= {int(first)}"
+        if last is not None:
+            where += f" AND consumed_step <= {int(last)}"
+        t = self.scan(["group_id", "consumed_step"], where=where)
+        out: dict[int, set[str]] = {}
+        for gid, step in zip(t["group_id"].to_pylist(), t["consumed_step"].to_pylist()):
+            out.setdefault(int(step), set()).add(gid)
+        return {k: sorted(v) for k, v in sorted(out.items())}
+
+    def producer_groups(self, producer_id: str) -> dict[str, tuple[str | None, int]]:
+        """{group id: (status, admitted ns)} of every group `producer_id` admitted; status None for a
+        group admitted but not stored yet (it was in flight when the run stopped)."""
+        q = _quote([producer_id])
+        adm = self.scan(["group_id", "admitted_ns"], where=f"producer_id = {q}", table=ADMISSIONS_TABLE)
+        rows = self.scan(["group_id", "status"], where=f"producer_id = {q}")
+        status = dict(zip(rows["group_id"].to_pylist(), rows["status"].to_pylist()))
+        return {g: (status.get(g), t) for g, t in zip(adm["group_id"].to_pylist(), adm["admitted_ns"].to_pylist())}
+
     def ledger(self) -> Ledger:
         # Rows before admissions: a group admitted and stored between the two reads then
         # shows as admitted-and-in-flight (true a moment ago), never as unadmitted.
@@ -398,10 +419,7 @@ class LancePool:
             g = by_id[gid]
             g.status, g.consumed_step, g.consumed_version = "consumed", step, learner_version
             if gid in mask:
-                for s in g.samples:
-                    keep = staleness.stale_token_mask(s.spans, learner_version, max_staleness)
-                    masked += int(((s.loss_mask == 1) & (keep == 0)).sum())
-                    s.loss_mask = s.loss_mask * keep
+                masked += staleness.mask_stale_tokens(g, learner_version, max_staleness)
             groups.append(g)
         return Batch(step=step, learner_version=learner_version, groups=groups, dropped=drop, masked_tokens=masked,
                      rejected=rejected)

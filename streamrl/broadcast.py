@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.router import Router, free_port
+from streamrl import faultpoint
 from streamrl.runlog import RunLog
 from streamrl.types import EnginePaused, EngineResumed, VersionPublished, now_ns
 
@@ -106,6 +107,7 @@ class VersionBroadcaster:
                 if u not in failed:
                     self.log.event(EnginePaused(engine=u, mode=mode, at=now_ns()))
         live = {u: c for u, c in workers.items() if u not in failed}
+        faultpoint.reached("publish", self.weights_dir.parent)
         t_push = time.perf_counter()
         path = self.weight_sync
         try:

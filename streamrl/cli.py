@@ -11,6 +11,11 @@ from typing import Any
 EPILOG = """examples:
   streamrl run recipes/quickstart.yaml                       # SFT warm-start, then streaming GRPO
   streamrl run recipes/quickstart.yaml run.mode=lockstep run.steps=10 --run-dir runs/lockstep
+  streamrl run --resume runs/quickstart                      # continue a stopped or killed run
+  streamrl run --resume runs/quickstart run.steps=400        # ... and train longer
+  streamrl replay runs/quickstart --steps 120-125            # re-train steps from the pool, compare losses
+  streamrl replay runs/quickstart --where "min_version BETWEEN 10 AND 12 AND reward_std = 0"
+  streamrl report runs/quickstart                            # PNG plots + summary table
   streamrl check recipes/quickstart.yaml rollout.n_samples=4
   streamrl model init runs/models/tiny --preset tiny
   streamrl engine serve --model runs/models/tiny --port 30001
@@ -46,11 +51,17 @@ def _parser() -> argparse.ArgumentParser:
                                    "has an sft: section; evaluate on data.eval_path; train run.steps steps in run.mode "
                                    "(stream, lockstep or one_step_off); evaluate again. Writes RUN_DIR/metrics.jsonl "
                                    "(one line per step), eval.jsonl, events.jsonl, run.log, checkpoints/, model/ (the "
-                                   "trained policy) and pool/. A new run replaces the logs and pool a previous run left "
-                                   "in RUN_DIR.")
-    r.add_argument("recipe")
+                                   "trained policy), sft_model/, recipe.yaml and pool/. A new run replaces the logs and "
+                                   "pool a previous run left in RUN_DIR; `--resume RUN_DIR` continues that run instead.")
+    r.add_argument("recipe", nargs="?", help="recipe file (not with --resume: the run's own recipe.yaml is used)")
     r.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. run.mode=lockstep staleness.max_staleness=4")
     r.add_argument("--run-dir", help="run directory (default: run.dir, else runs/<run.name>)")
+    r.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped or killed run from its last checkpoint: learner, optimizer, version, "
+                        "dataset positions and the pool (partial groups resume from their saved tokens; steps "
+                        "trained after the checkpoint are trained again on the same groups). Run it from the "
+                        "directory the run was started in (recipe paths are relative to it); KEY=VALUE "
+                        "overrides apply, e.g. run.steps=400 to train longer")
     r.add_argument("--quiet", action="store_true", help="no progress bar or log lines (summary only)")
 
     m = sub.add_parser("model", help="build a tiny HF-format model and tokenizer locally (no download)")
@@ -128,10 +139,21 @@ def _dispatch(args: argparse.Namespace) -> int:
         from streamrl.run import run
         from streamrl.runtime import RunFailed
 
-        recipe = load_recipe(args.recipe, args.overrides)
         try:
-            summary = run(recipe, args.run_dir, progress=not args.quiet)
-        except (RunFailed, FileExistsError) as e:
+            if args.resume:
+                from streamrl.run import resume
+
+                overrides = ([args.recipe] if args.recipe else []) + args.overrides
+                bad = [o for o in overrides if "=" not in o]
+                if bad or args.run_dir:
+                    raise UsageError(f"--resume takes the run directory and KEY=VALUE overrides only, not "
+                                     f"{(bad or ['--run-dir'])[0]!r} (the run's own recipe.yaml is used)")
+                summary = resume(args.resume, overrides, progress=not args.quiet)
+            else:
+                if not args.recipe:
+                    raise UsageError("streamrl run needs a RECIPE (or --resume RUN_DIR)")
+                summary = run(load_recipe(args.recipe, args.overrides), args.run_dir, progress=not args.quiet)
+        except (RunFailed, FileExistsError, FileNotFoundError) as e:
             raise UsageError(str(e)) from None
         _print_summary(summary)
         return 0

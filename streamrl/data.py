@@ -188,6 +188,13 @@ class PromptSource:
                 self._epoch, self._position = epoch + 1, 0
         return dataclasses.replace(row, epoch=epoch, index=pos)
 
+    def record(self, epoch: int, index: int) -> PromptRecord:
+        """The instance `next()` returned (or will return) as (epoch, index): a resumed run restarts
+        a group that was in flight from its id alone."""
+        with self._lock:
+            row = self._rows[self._order_for(epoch)[index]]
+        return dataclasses.replace(row, epoch=epoch, index=index)
+
     def state(self) -> dict[str, int]:
         with self._lock:
             return {"epoch": self._epoch, "position": self._position}

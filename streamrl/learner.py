@@ -53,6 +53,11 @@ def learner_rows(groups: list[SampleGroup], method: str) -> tuple[list[Any], lis
     return rows, rewards
 
 
+def batch_order(groups: list[SampleGroup]) -> list[SampleGroup]:
+    """The order a step trains its groups in (oldest started first): a replay re-creates it from the pool alone."""
+    return sorted(groups, key=lambda g: (g.created_at, g.group_id))
+
+
 def batch_metrics(batch: Batch, rewards: list[float]) -> dict[str, Any]:
     stal = [batch.learner_version - (g.min_version if g.min_version is not None else batch.learner_version)
             for g in batch.groups]
@@ -147,16 +152,56 @@ class LearnerDriver:
                 return None
             time.sleep(0.05)
         wait_s = time.perf_counter() - t_wait
-        rows, rewards = learner_rows(batch.groups, self.r.learner.advantage)
+        batch.groups = batch_order(batch.groups)
+        m, rewards = self._train(batch.groups)
+        return {"step": step, "policy_version": self.version, "wait_s": wait_s, **m, **batch_metrics(batch, rewards)}
+
+    def _train(self, groups: list[SampleGroup]) -> tuple[dict[str, Any], list[float]]:
+        rows, rewards = learner_rows(groups, self.r.learner.advantage)
         t0 = time.perf_counter()
         with self._lock:
             stats = self.learner.rl_step(rows, self.cfg) if rows else {}
             self._snapshot = {k: v.detach().clone() for k, v in self.learner.hf_state_dict().items()}
         train_s = time.perf_counter() - t0
         tokens = sum(len(r.response) for r in rows)
-        return {"step": step, "policy_version": self.version, "wait_s": wait_s, "train_s": train_s,
-                "train_tokens": tokens, "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
-                **batch_metrics(batch, rewards), **stats}
+        return {"train_s": train_s, "train_tokens": tokens,
+                "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0, **stats}, rewards
+
+    def retrain(self, step: int, group_ids: list[str], max_staleness: int) -> dict[str, Any]:
+        """Train on the groups a past step consumed, as that step did (resume, replay)."""
+        from streamrl import staleness
+
+        assert self.pool is not None
+        groups = batch_order(self.pool.groups(group_ids))
+        missing = set(group_ids) - {g.group_id for g in groups}
+        if missing:
+            raise RuntimeError(f"step {step}: groups {sorted(missing)[:3]} are not in the pool")
+        if self.r.staleness.policy == "mask":
+            for g in groups:
+                v = g.consumed_version if g.consumed_version is not None else self.version
+                if staleness.decide(v, g.min_version if g.min_version is not None else v, max_staleness,
+                                    "mask") == "mask":
+                    staleness.mask_stale_tokens(g, v, max_staleness)
+        m, rewards = self._train(groups)
+        return {"step": step, "policy_version": self.version, "groups": [g.group_id for g in groups],
+                "samples": sum(len(g.samples) for g in groups),
+                "reward_mean": float(np.mean(rewards)) if rewards else float("nan"), **m}
+
+    def consumed_steps(self, first: int = 0, last: int | None = None) -> dict[int, list[str]]:
+        assert self.pool is not None
+        return self.pool.consumed_steps(first, last)
+
+    def restore(self, root: str, version: int | None = None) -> dict[str, Any] | None:
+        """Load the newest checkpoint under `root` (or the one of `version`): model, optimizer,
+        scheduler, RNG, policy version. Returns its `extra`, or None when there is none."""
+        from connectors.mcore_checkpoint import latest_checkpoint, load_checkpoint
+
+        if version is None and latest_checkpoint(root) is None:
+            return None
+        with self._lock:
+            extra = load_checkpoint(self.learner, root, step=version)
+            self._snapshot = None
+        return extra
 
     # ------------------------------------------------------------ weights
 
@@ -196,10 +241,14 @@ class LearnerDriver:
         broadcast(self._group, list(self.hf_state_dict().values()))
 
     def checkpoint(self, root: str, extra: dict[str, Any]) -> str:
+        from connectors import mcore_checkpoint
         from connectors.mcore_checkpoint import save_checkpoint
+        from streamrl import faultpoint
 
+        if os.environ.get(faultpoint.ENV):
+            mcore_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
         with self._lock:
-            return str(save_checkpoint(self.learner, root, extra=extra, keep_last=3))
+            return str(save_checkpoint(self.learner, root, extra=extra, keep_last=self.r.run.keep_checkpoints or None))
 
     def close(self) -> None:
         if self.pool is not None:

@@ -26,7 +26,7 @@ OnStep = Callable[[dict[str, Any]], None]
 async def stream(rt: Runtime, steps: int, on_step: OnStep) -> None:
     streams = rt.start_streaming()  # workers admit groups while (V + eta + 1) * groups_per_step allows
     publishing = None
-    for step in range(steps):
+    for step in range(rt.start_step, steps):  # start_step > 0: resumed (runtime.py restored the learner)
         training = asyncio.ensure_future(rt.train_step(step, streams))  # oldest complete groups within the bound
         if publishing is not None:
             await publishing  # the previous version reaches the engines while this step trains
@@ -39,7 +39,7 @@ async def stream(rt: Runtime, steps: int, on_step: OnStep) -> None:
 
 
 async def lockstep(rt: Runtime, steps: int, on_step: OnStep) -> None:
-    for step in range(steps):
+    for step in range(rt.start_step, steps):
         await rt.generate(rt.r.rollout.groups_per_step)  # engines busy, learner idle
         m = await rt.train_step(step)  # learner busy, engines idle
         await rt.publish(step, m, interrupt=False)
@@ -47,8 +47,10 @@ async def lockstep(rt: Runtime, steps: int, on_step: OnStep) -> None:
 
 
 async def one_step_off(rt: Runtime, steps: int, on_step: OnStep) -> None:
+    if rt.start_step >= steps:
+        return
     gen = asyncio.ensure_future(rt.generate(rt.r.rollout.groups_per_step))
-    for step in range(steps):
+    for step in range(rt.start_step, steps):
         await gen  # the batch this step trains on is in the pool
         gen = asyncio.ensure_future(rt.generate(rt.r.rollout.groups_per_step)) if step + 1 < steps else None
         m = await rt.train_step(step)  # overlaps the next batch's generation (current weights)

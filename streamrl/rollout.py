@@ -60,6 +60,8 @@ class RolloutWorker:
         self.source = PromptSource(d.path, d.prompt_key, d.label_key, d.shuffle, d.seed, d.epochs, d.on_error)
         if data_state:
             self.source.restore(data_state)
+        self._admitted_state = self.source.state()  # where the source stood after the last admission
+        self._known: set[str] = set()  # groups admitted before a resume: their prompts are not drawn again
         self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path)
         self.pool = LancePool(recipe.pool_uri, commit_max_rows=recipe.pool.commit_max_rows,
                               commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0)
@@ -99,7 +101,7 @@ class RolloutWorker:
     def report(self) -> dict[str, Any]:
         return {"producer": self.producer_id, "version": self.version, "started": self.started,
                 "inflight": len(self.inflight), "accepted": self._accepted, "exhausted": self.exhausted,
-                "data_state": self.source.state(), "drops": dict(self.drops), **self.stats}
+                "data_state": self._admitted_state, "drops": dict(self.drops), **self.stats}
 
     async def stop(self) -> None:
         """Stop starting groups and wait for the ones in flight (their partials are saved)."""
@@ -117,7 +119,7 @@ class RolloutWorker:
 
     async def stream(self) -> dict[str, Any]:
         """Start groups while admission control allows, until stopped or out of prompts."""
-        await self._resume_partials()
+        await self._resume()
         while not self._stopping:
             self._check_failing()
             room = min(self.capacity() - self.started, self.r.rollout.max_concurrency - len(self.inflight))
@@ -131,7 +133,7 @@ class RolloutWorker:
 
     async def generate(self, num_groups: int) -> dict[str, Any]:
         """Produce exactly `num_groups` accepted groups (filtered or failed ones are replaced)."""
-        await self._resume_partials()
+        await self._resume()
         target = self._accepted + num_groups
         while self._accepted < target and not self._stopping:
             self._check_failing()
@@ -149,7 +151,8 @@ class RolloutWorker:
 
     def _next_record(self) -> PromptRecord | None:
         while (rec := self.source.next()) is not None:
-            if rec.index % self.num_workers == self.index:
+            if rec.index % self.num_workers == self.index and \
+                    make_group_id(self.producer_id, rec.epoch, rec.index) not in self._known:
                 return rec
         self.exhausted = True
         return None
@@ -167,15 +170,19 @@ class RolloutWorker:
         await self.pool.admit_async([Admission(group_id=gid, prompt_id=rec.prompt_id, n=n, producer_id=self.producer_id,
                                                version=self.version, admitted_at=t + k)
                                      for k, (gid, rec) in enumerate(zip(gids, recs))])
+        self._admitted_state = self.source.state()
         for k, (gid, rec) in enumerate(zip(gids, recs)):
-            prompt_ids = encode_prompt(self.tokenizer, rec.prompt)
-            # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
-            meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
-                    "admitted_ns": t + k}
-            trajs = [partial.Trajectory(prompt=prompt_ids, max_new_tokens=self.r.rollout.max_new_tokens)
-                     for _ in range(n)]
-            self._launch(gid, rec.prompt_id, meta, trajs)
+            self._launch_new(gid, rec, t + k)
         return len(recs)
+
+    def _launch_new(self, gid: str, rec: PromptRecord, admitted_ns: int) -> None:
+        # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
+        meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
+                "admitted_ns": admitted_ns}
+        prompt_ids = encode_prompt(self.tokenizer, rec.prompt)
+        trajs = [partial.Trajectory(prompt=prompt_ids, max_new_tokens=self.r.rollout.max_new_tokens)
+                 for _ in range(self.r.rollout.n_samples)]
+        self._launch(gid, rec.prompt_id, meta, trajs)
 
     def _launch(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
         self.started += 1
@@ -183,16 +190,27 @@ class RolloutWorker:
         self.inflight[gid] = task
         task.add_done_callback(lambda _t: (self.inflight.pop(gid, None), self._wake.set()))
 
-    async def _resume_partials(self) -> None:
-        """Groups this producer left `partial` (a stopped or killed run) continue where they were."""
+    async def _resume(self) -> None:
+        """Pick up what this producer left in the pool (a stopped or killed run): `partial` groups
+        continue from their saved tokens, groups admitted but never stored start again, the
+        prompts of every admitted group are not drawn again, and admission control counts the
+        groups already started."""
         if getattr(self, "_resumed", False):
             return
         self._resumed = True
+        known = self.pool.producer_groups(self.producer_id)
+        self._known = set(known)
+        self.started = sum(1 for st, _ in known.values() if st not in (None, "partial", "dropped", "failed"))
         for g in self.pool.partial_groups(self.producer_id):
             prompt = g.prompt_tokens.tolist()
             trajs = [partial.from_sample(s, prompt, self.r.rollout.max_new_tokens) for s in g.samples]
             self.stats["resumed_groups"] += 1
             self._launch(g.group_id, g.prompt_id, {"admitted_ns": g.created_at, **g.metadata}, trajs)
+        for gid, (st, admitted_ns) in known.items():
+            if st is None:
+                _, epoch, index = gid.rsplit(":", 2)
+                self.stats["restarted_groups"] += 1
+                self._launch_new(gid, self.source.record(int(epoch[1:]), int(index[1:])), admitted_ns)
 
     async def _run_group(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
         state = {"saving": None}

@@ -23,18 +23,19 @@ def _fmt(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-async def run_async(r: Recipe, run_dir: Path, progress: bool = True) -> dict[str, Any]:
+async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: bool = False) -> dict[str, Any]:
     from tqdm import tqdm
 
-    rt = Runtime(r, run_dir, progress)
+    rt = Runtime(r, run_dir, progress, resume=resume)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "mode": r.run.mode, "steps": r.run.steps}
     try:
         t_setup = time.perf_counter()
         await rt.start()
         summary["setup_s"] = time.perf_counter() - t_setup
-        before = await rt.evaluate(0)
-        bar = tqdm(total=r.run.steps, desc=f"{r.run.mode} RL", unit="step", disable=not progress, dynamic_ncols=True,
-                   mininterval=1.0)
+        summary["start_step"] = rt.start_step
+        before = await rt.evaluate(rt.start_step)
+        bar = tqdm(total=r.run.steps, initial=rt.start_step, desc=f"{r.run.mode} RL", unit="step",
+                   disable=not progress, dynamic_ncols=True, mininterval=1.0)
 
         seen = [0]
 
@@ -66,22 +67,47 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True) -> dict[str
     return summary
 
 
-def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True, fresh: bool = True) -> dict[str, Any]:
+RECIPE = "recipe.yaml"  # the run's resolved recipe, which `--resume` and `streamrl replay` read
+
+
+def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """A new run in an empty directory (files of an earlier run there are deleted)."""
     d = Path(run_dir) if run_dir else r.run_dir
-    if fresh and d.exists():
-        # A new run starts from an empty directory (resuming is `--resume`, a later issue), but never
-        # deletes something that is not a StreamRL run directory.
-        marker = d / "metrics.jsonl"
-        if any(d.iterdir()) and not (marker.exists() or (d / "pool").exists() or (d / "run.log").exists()):
+    if d.exists():
+        # Never delete something that is not a StreamRL run directory.
+        if any(d.iterdir()) and not any((d / m).exists() for m in ("metrics.jsonl", "pool", "run.log", RECIPE)):
             raise FileExistsError(f"{d} exists and is not a StreamRL run directory; pick another --run-dir")
-        for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json"):
+        for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json", RECIPE, "frozen_at"):
             (d / name).unlink(missing_ok=True)
-        for name in ("pool", "checkpoints", "weights", "model", "logs"):
+        for name in ("pool", "checkpoints", "weights", "model", "sft_model", "logs", "report"):
             shutil.rmtree(d / name, ignore_errors=True)
     if r.run.dir is None or run_dir:
         import msgspec
 
         r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, dir=str(d)))
-    summary = asyncio.run(run_async(r, d, progress))
+    d.mkdir(parents=True, exist_ok=True)
+    from streamrl.recipe import dump_recipe
+
+    (d / RECIPE).write_text(dump_recipe(r))
+    return _run(r, d, progress, resume=False)
+
+
+def resume(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Continue a stopped or killed run from its last checkpoint (`streamrl run --resume DIR`)."""
+    from streamrl.recipe import dump_recipe, load_recipe
+
+    d = Path(run_dir)
+    if not (d / RECIPE).is_file():
+        raise FileNotFoundError(f"{d} has no {RECIPE}: it is not a StreamRL run directory (or was made before "
+                                "runs saved their recipe); start a new run with `streamrl run RECIPE --run-dir ...`")
+    r = load_recipe(d / RECIPE, overrides)
+    if overrides:
+        (d / RECIPE).write_text(dump_recipe(r))
+    (d / "frozen_at").unlink(missing_ok=True)
+    return _run(r, d, progress, resume=True)
+
+
+def _run(r: Recipe, d: Path, progress: bool, resume: bool) -> dict[str, Any]:
+    summary = asyncio.run(run_async(r, d, progress, resume))
     (d / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ from typing import Any
 import msgspec
 
 from streamrl.recipe import Recipe
-from streamrl.runlog import RunLog
-from streamrl.types import BatchClaimed, RunCheckpointed, now_ns
+from streamrl import faultpoint
+from streamrl.runlog import RunLog, read_jsonl
+from streamrl.types import BatchClaimed, RunCheckpointed, RunResumed, now_ns
 
 
 class RunFailed(RuntimeError):
@@ -79,8 +81,10 @@ def max_staleness_of(r: Recipe) -> int:
 
 
 class Runtime:
-    def __init__(self, recipe: Recipe, run_dir: Path, progress: bool = True) -> None:
-        self.r, self.dir = recipe, Path(run_dir)
+    def __init__(self, recipe: Recipe, run_dir: Path, progress: bool = True, resume: bool = False) -> None:
+        self.r, self.dir, self.resume = recipe, Path(run_dir), resume
+        self.start_step = 0  # the first step this process trains (> 0 when resuming)
+        self.wall_offset = 0.0  # wall time the run had used before a resume
         self.log = RunLog(self.dir, echo=progress)
         self.progress = progress
         self.eta = max_staleness_of(recipe)
@@ -119,11 +123,19 @@ class Runtime:
             need = r.engines.num + r.rollout.workers + 2
             ensure_ray(num_cpus=r.ray.num_cpus or need, runtime_env={"env_vars": {
                 "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+                "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
+                **({faultpoint.ENV: os.environ[faultpoint.ENV]} if os.environ.get(faultpoint.ENV) else {})}})
         self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
         self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs").start()
+        # The SFT policy is kept as an HF directory: a resumed run or a replay builds its learner
+        # (and KL reference) from it; checkpoints then hold what RL changed.
+        sft_dir = self.dir / "sft_model"
+        sft_done = self.resume and (sft_dir / "config.json").exists()
+        if self.resume:
+            shutil.rmtree(self.dir / "weights", ignore_errors=True)  # exports of the stopped run
         self.learner = learner_actor(1, r.learner.num_gpus).remote(
-            recipe_json, r.model.path, str(Path(r.model.tokenizer or r.model.path).resolve()))
+            recipe_json, str(sft_dir) if sft_done else r.model.path,
+            str(Path(r.model.tokenizer or r.model.path).resolve()))
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               keep_weights=r.engines.keep_weights)
@@ -134,18 +146,51 @@ class Runtime:
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart)
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
-        if r.sft is not None:
+        if r.sft is not None and not sft_done:
             await self._sft()
+            await self.learner.export.remote(str(sft_dir))
+        data_states = await self._restore() if self.resume else None
         await engines_up
-        if r.sft is not None:
-            _, failed = await self.broadcaster.push_disk(0)
+        if r.sft is not None or self.version:
+            _, failed = await self.broadcaster.push_disk(self.version)
             if failed:
-                raise RunFailed(f"engines could not load the SFT weights: {failed}")
-        self.workers = [worker_actor().remote(recipe_json, self.router.url, i, r.rollout.workers, 0, None)
-                        for i in range(r.rollout.workers)]
+                raise RunFailed(f"engines could not load the weights of version {self.version}: {failed}")
+            self.broadcaster.version = self.version
+        n = r.rollout.workers
+        states = data_states if data_states and len(data_states) == n else [None] * n
+        self.workers = [worker_actor().remote(recipe_json, self.router.url, i, n, self.version, states[i])
+                        for i in range(n)]
         await asyncio.gather(*(w.ready.remote() for w in self.workers))
         for w in self.workers:
-            await w.set_version.remote(0, self.eta)
+            await w.set_version.remote(self.version, self.eta)
+
+    async def _restore(self) -> list[dict[str, Any]] | None:
+        """Resume: load the newest checkpoint, then train the steps that came after it again on
+        the groups the pool says they consumed (same batches in the same order, so the learner
+        reaches the weights it had when the run stopped and no group is trained on twice or
+        lost). Returns the workers' dataset positions saved with the checkpoint."""
+        extra = await self.learner.restore.remote(str(self.dir / "checkpoints"))
+        ck_step = int(extra["step"]) if extra else -1
+        redo = await self.learner.consumed_steps.remote(ck_step + 1)
+        if list(redo) != list(range(ck_step + 1, ck_step + 1 + len(redo))):
+            raise RunFailed(f"cannot resume {self.dir}: the pool's consumed steps after checkpoint step {ck_step} "
+                            f"are not contiguous ({list(redo)[:10]}); the pool and checkpoints do not belong together")
+        original = {m["step"]: m for m in read_jsonl(self.dir / "metrics.jsonl")}
+        self.wall_offset = max((m.get("wall_time_s") or 0.0 for m in original.values()), default=0.0)
+        for step, ids in redo.items():
+            m = await self.learner.retrain.remote(step, ids, self.eta)
+            was = original.get(step)
+            if was is None:  # the run stopped after the claim, before the step's metrics were written
+                self.log.metrics(m | {"redo": True, "wall_time_s": self.wall_offset})
+            elif was.get("loss") != m.get("loss"):
+                self.log.warn(f"step {step} trained again on its {len(ids)} groups gives loss {m.get('loss')}, "
+                              f"the stopped run had {was.get('loss')}: the resumed weights differ slightly")
+        self.version = await self.learner.ping.remote()
+        self.start_step = ck_step + 1 + len(redo)
+        self.log.event(RunResumed(checkpoint_step=ck_step, redone_steps=list(redo), version=self.version, at=now_ns()))
+        self.log.info(f"resuming {self.dir} at step {self.start_step} (version {self.version}): checkpoint of step "
+                      f"{ck_step}, then {len(redo)} step(s) trained again from the pool")
+        return extra.get("workers") if extra else None
 
     async def _sft(self) -> None:
         s = self.r.sft
@@ -228,7 +273,7 @@ class Runtime:
         now, tokens = time.perf_counter(), sum(x.get("gen_tokens", 0) for x in reports)
         m["gen_tokens_per_s"] = (tokens - self._last[1]) / max(1e-9, now - self._last[0])
         self._last = (now, tokens)
-        m["wall_time_s"] = now - self.t0
+        m["wall_time_s"] = now - self.t0 + self.wall_offset
         m["drops"] = _sum_dicts(x["drops"] for x in reports)
         m["interrupted_calls"] = sum(x.get("interrupted_calls", 0) for x in reports)
         m["engine_errors"] = sum(x.get("engine_errors", 0) for x in reports)
@@ -270,7 +315,8 @@ class Runtime:
         async with SGLangClient(self.router.url) as c:
             res = await evaluate(c, self.tokenizer, recs, self.r)
         served = self.broadcaster.version  # what the engines serve (the learner may be a step ahead)
-        row = {"policy_version": served, "step": step, "wall_time_s": time.perf_counter() - self.t0, **res}
+        row = {"policy_version": served, "step": step, "wall_time_s": time.perf_counter() - self.t0 + self.wall_offset,
+               **res}
         self.evals.append(row)
         self.log.eval(row)
         self.log.info(f"eval at version {served}: accuracy {res['accuracy']:.3f} "

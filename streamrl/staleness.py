@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 
-from streamrl.types import ConsumptionPolicy, VersionSpan
+from streamrl.types import ConsumptionPolicy, SampleGroup, VersionSpan
 
 Decision = Literal["take", "drop", "mask"]
 
@@ -49,3 +49,13 @@ def stale_token_mask(spans: Sequence[VersionSpan], learner_version: int, max_sta
         if sp.version < oldest_ok:
             keep[sp.start : sp.end] = 0
     return keep
+
+
+def mask_stale_tokens(group: SampleGroup, learner_version: int, max_staleness: int) -> int:
+    """Zero the loss mask of tokens older than the bound (policy `mask`); returns how many were masked."""
+    masked = 0
+    for s in group.samples:
+        keep = stale_token_mask(s.spans, learner_version, max_staleness)
+        masked += int(((s.loss_mask == 1) & (keep == 0)).sum())
+        s.loss_mask = s.loss_mask * keep
+    return masked

@@ -234,7 +234,15 @@ class RunCheckpointed(msgspec.Struct, tag="run_checkpointed", kw_only=True):
     at: int
 
 
-Event = Union[GroupAppended, BatchClaimed, VersionPublished, EnginePaused, EngineResumed, RunCheckpointed]
+class RunResumed(msgspec.Struct, tag="run_resumed", kw_only=True):
+    checkpoint_step: BatchId  # -1: no checkpoint yet, started again from version 0
+    redone_steps: list[BatchId]  # trained again after the checkpoint, on the groups they had consumed
+    version: int  # the learner's version after that
+    at: int
+
+
+Event = Union[GroupAppended, BatchClaimed, VersionPublished, EnginePaused, EngineResumed, RunCheckpointed,
+              RunResumed]
 
 
 # Wire codecs. msgpack: arrays as ext (code -> dtype), zero-copy on decode.

@@ -191,12 +191,50 @@ def kill_session(proc: subprocess.Popen[Any], run_dir: Path | None = None) -> No
                 pass
 
 
-def start_streamrl(args: Sequence[str], log_dir: Path) -> subprocess.Popen[bytes]:
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Ray's GCS, raylet and workers, the router, the engines)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def power_off(proc: subprocess.Popen[Any], run_dir: Path) -> int:
+    """SIGKILL the whole run at once, as a power cut would: every process is stopped first (so
+    none reacts to another's death: no clean-up, no final writes), then killed. Returns how
+    many processes were killed."""
+    killed: set[int] = set()
+    for _ in range(5):  # a process may have been forking while we looked
+        pids = [p for p in {proc.pid, *descendants(proc.pid), *run_processes(run_dir)} if p not in killed]
+        if not pids:
+            break
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for p in pids:
+                try:
+                    os.kill(p, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        killed |= set(pids)
+    proc.wait()
+    return len(killed)
+
+
+def start_streamrl(args: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`streamrl ARGS` in the background (own session), stdout/stderr to files under log_dir."""
     log_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_dir / "streamrl.stdout", "wb")  # noqa: SIM115 - closed with the process
     err = open(log_dir / "streamrl.stderr", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(streamrl_cmd(args), cwd=REPO, env=child_env(), stdout=out, stderr=err,
+    proc = subprocess.Popen(streamrl_cmd(args), cwd=REPO, env={**child_env(), **(env or {})}, stdout=out, stderr=err,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     out.close()
     err.close()

@@ -1,0 +1,111 @@
+"""Lossless resume: a streaming run is SIGKILLed as a whole (every process stopped, then killed)
+at a chosen moment, `streamrl run --resume` finishes it, and the pool proves that nothing was
+lost or trained on twice, and that groups saved as `partial` before the kill were continued
+(their version spans start before the kill and end after it).
+
+Moments: mid-broadcast (engines paused, new weights not yet pushed), mid-checkpoint (files
+written to the temporary directory, not yet renamed into place), and a random moment between
+steps. The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/faultpoint.py),
+so the kill lands exactly there.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+from streamkit import (RUN_TIMEOUT_S, assert_ledger_balanced, describe_run, finish_streamrl, pool_groups, power_off,
+                       read_events, read_metrics, run_log, run_streamrl, start_streamrl, task_data, tiny_model,
+                       write_recipe)
+
+pytestmark = pytest.mark.slow
+__all__ = ["task_data", "tiny_model"]  # fixtures
+
+STEPS, EVERY = 10, 3  # checkpoints after steps 2, 5, 8 and at the end
+
+
+def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (code {proc.returncode}) before {what}\n" + describe_run(run_dir))
+        if time.monotonic() - t0 > timeout_s:
+            power_off(proc, run_dir)
+            pytest.fail(f"timed out waiting for {what}\n" + describe_run(run_dir))
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("moment", ["publish:5", "checkpoint.files:2", "random"])
+def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
+                                       moment: str) -> None:
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, tiny_model, task_data["train"], {
+        "run.steps": STEPS, "run.checkpoint_every": EVERY, "run.keep_checkpoints": 0,
+        # Long responses and an engine that decodes 4 at a time: generation is slower than training,
+        # so every version update interrupts groups mid-generation (partial groups).
+        "rollout.max_new_tokens": 48, "rollout.groups_per_step": 3, "engines.max_running": 4,
+        "engines.weight_sync": "distributed"})
+    env = {} if moment == "random" else {"STREAMRL_FREEZE_AT": moment}
+    proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
+    if moment == "random":
+        _wait_for(lambda: len(read_metrics(run_dir)) >= 4, "4 steps", proc, run_dir)
+        time.sleep(random.Random().uniform(0.0, 2.0))
+    else:
+        _wait_for(lambda: (run_dir / "frozen_at").exists(), f"the run to reach {moment}", proc, run_dir)
+        time.sleep(2.0)  # the rest of the run goes on meanwhile: workers save interrupted groups as partial
+    partial_before = {g.group_id: max(sp.version for s in g.samples for sp in s.spans) if any(
+        s.spans for s in g.samples) else None for g in pool_groups(run_dir, "status = 'partial'")}
+    steps_before = {m["step"] for m in read_metrics(run_dir)}
+    killed = power_off(proc, run_dir)
+    assert killed >= 5, f"only {killed} processes killed: the run's Ray/engine processes were not found"
+    if moment.startswith("publish"):
+        assert partial_before, "engines paused in abort mode: interrupted groups should have been saved as partial"
+    if moment.startswith("checkpoint"):
+        assert list((run_dir / "checkpoints").glob(".tmp-*")), "the kill should leave a half-written checkpoint"
+
+    res = run_streamrl(["run", "--resume", str(run_dir), "--quiet"], run_dir=run_dir)
+    assert "resuming" in run_log(run_dir)
+
+    # Every step trained exactly once in the final lineage, versions 1..STEPS, in order.
+    resumed = read_events(run_dir, "run_resumed")
+    assert len(resumed) == 1
+    ck = resumed[0]["checkpoint_step"]
+    if moment.startswith("checkpoint"):
+        assert ck == EVERY - 1, "the half-written second checkpoint must not be used"
+    last = {}
+    for m in read_metrics(run_dir):
+        last[m["step"]] = m
+    assert sorted(last) == list(range(STEPS)), res.stdout
+    assert [last[s]["policy_version"] for s in range(STEPS)] == list(range(1, STEPS + 1))
+    assert steps_before <= set(last)
+    assert "differ slightly" not in run_log(run_dir), "re-training after the checkpoint must give the same losses"
+
+    stats = assert_ledger_balanced(run_dir)  # `streamrl pool stats --json`
+    ledger = stats["ledger"]
+    assert ledger["lost"] == 0 and ledger["duplicated"] == 0 and ledger["unadmitted"] == 0, ledger
+    assert ledger["in_flight"] == 0 and ledger["partial"] == 0, ledger
+    assert ledger["consumed"] == STEPS * 3, ledger
+
+    # Groups consumed: each by one step; and every step's batch is the groups the pool says.
+    groups = {g.group_id: g for g in pool_groups(run_dir)}
+    by_step: dict[int, list[str]] = {}
+    for g in groups.values():
+        if g.status == "consumed":
+            by_step.setdefault(g.consumed_step, []).append(g.group_id)
+    for s, m in last.items():
+        assert sorted(m["groups"]) == sorted(by_step[s]), f"step {s}"
+
+    # Partial groups saved before the kill were continued, not regenerated.
+    for gid, vmax in partial_before.items():
+        g = groups[gid]
+        assert g.status in ("complete", "consumed", "dropped"), (gid, g.status)
+        if vmax is None:
+            continue
+        versions = sorted({sp.version for s in g.samples for sp in s.spans})
+        assert versions[0] <= vmax, f"{gid}: its tokens from before the kill (versions <= {vmax}) were thrown away"
+    continued = [gid for gid, vmax in partial_before.items() if vmax is not None and any(
+        len(s.spans) > 1 and s.spans[0].version <= vmax < s.spans[-1].version for s in groups[gid].samples)]
+    if partial_before:
+        assert continued, "no partial group from before the kill got tokens from a version after it"
