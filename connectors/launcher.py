@@ -322,7 +322,7 @@ class EngineLauncher:
 
     # ------------------------------------------------------------ lifecycle
 
-    def _new_actor(self, index: int) -> Any:
+    def new_actor(self, index: int) -> Any:
         num_gpus = self.num_gpus
         if num_gpus is None:
             gpus = self.backend == "sglang" or (self.backend == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
@@ -342,7 +342,7 @@ class EngineLauncher:
         self._stopping = False
         try:
             for i in range(self.num_engines):
-                self.actors.append(self._new_actor(i))
+                self.actors.append(self.new_actor(i))
             self.urls = list(await asyncio.gather(*(a.start.remote() for a in self.actors)))
             await asyncio.gather(*(self.router.add_worker(u) for u in self.urls))
         except BaseException:
@@ -475,7 +475,7 @@ class EngineLauncher:
                 ray.kill(self.actors[index], no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-            self.actors[index] = self._new_actor(index)
+            self.actors[index] = self.new_actor(index)
             url = await self._call(self.actors[index].start.remote())
         else:
             url = await self._call(self.actors[index].restart.remote(self.model_dir, self.weight_version))

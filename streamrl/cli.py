@@ -64,6 +64,32 @@ def _parser() -> argparse.ArgumentParser:
                         "overrides apply, e.g. run.steps=400 to train longer")
     r.add_argument("--quiet", action="store_true", help="no progress bar or log lines (summary only)")
 
+    rp = sub.add_parser("replay", help="train past steps again from the pool; compare losses and grad norms",
+                        description="Re-train steps of RUN_DIR on exactly the groups they consumed (the pool records "
+                                    "the step), starting from the newest checkpoint at or before the first step, and "
+                                    "print the loss and grad norm the run logged next to the replayed ones (identical "
+                                    "on CPU). --where re-trains a SQL-selected set of groups instead, in batches of "
+                                    "rollout.groups_per_step. The learner runs in this process; the pool is not "
+                                    "changed.")
+    rp.add_argument("run_dir")
+    what = rp.add_mutually_exclusive_group(required=True)
+    what.add_argument("--steps", metavar="A-B", help="learner steps to replay, e.g. 120-125 (or one step: 120)")
+    what.add_argument("--where", metavar="SQL",
+                      help="filter over one row per group, e.g. \"min_version BETWEEN 10 AND 12 AND reward_std = 0\"; "
+                           "columns: group_id, prompt_id, producer_id, status, n_samples, min_version, max_version, "
+                           "consumed_step, consumed_version, created_ns, drop_reason, reward_mean, reward_std, "
+                           "reward_min, reward_max, tokens_mean, failed_samples")
+    rp.add_argument("--json", action="store_true", help="print one JSON object per step/batch instead of a table")
+
+    rep = sub.add_parser("report", help="PNG plots and a summary table of a run",
+                         description="Write RUN_DIR/report/*.png (reward and eval accuracy vs version and wall time, "
+                                     "staleness at consumption, generation/training throughput, drops by reason, "
+                                     "learner loss/grad norm/KL/entropy) and print a summary table. Works on a run "
+                                     "that is still going or was killed.")
+    rep.add_argument("run_dir")
+    rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    rep.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
     m = sub.add_parser("model", help="build a tiny HF-format model and tokenizer locally (no download)")
     ms = m.add_subparsers(dest="model_cmd", required=True, metavar="ACTION")
     mi = ms.add_parser("init", help="write a Qwen2 model + byte-level BPE tokenizer with save_pretrained",
@@ -157,6 +183,32 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         _print_summary(summary)
         return 0
+    if args.cmd == "replay":
+        from streamrl import replay as rp
+
+        try:
+            if args.steps:
+                a, b = rp.parse_steps(args.steps)
+                rows = rp.replay_steps(args.run_dir, a, b, progress=not args.json)
+                title = f"replay of steps {a}-{b} (from the checkpoint of version {rows[0]['start_version']})"
+            else:
+                rows = rp.replay_where(args.run_dir, args.where, progress=not args.json)
+                title = f"replay of {sum(r['groups'] for r in rows)} groups where {args.where}"
+        except rp.ReplayError as e:
+            raise UsageError(str(e)) from None
+        if args.json:
+            for row in rows:
+                print(json.dumps(row))
+        else:
+            rp.print_rows(rows, title)
+        return 0
+    if args.cmd == "report":
+        from streamrl.report import report_command
+
+        try:
+            return report_command(args.run_dir, args.out, args.json)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.cmd == "model":
         from connectors.model_kit import init_model_dir
 

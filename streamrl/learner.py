@@ -98,6 +98,7 @@ class LearnerDriver:
         # The weights engines get are a copy taken right after each step, so they can be pushed
         # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
         self._snapshot: dict[str, torch.Tensor] | None = None
+        self._pinned: dict[int, dict[str, torch.Tensor]] = {}  # versions a background evaluation will export
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ SFT warm-start
@@ -154,6 +155,11 @@ class LearnerDriver:
         wait_s = time.perf_counter() - t_wait
         batch.groups = batch_order(batch.groups)
         m, rewards = self._train(batch.groups)
+        run = self.r.run
+        if run.eval_every and run.eval_mode == "background" and self.version % run.eval_every == 0 \
+                and self.version < run.steps:  # the last version is evaluated at the end of the run
+            assert self._snapshot is not None
+            self._pinned[self.version] = self._snapshot  # kept whole until `export(..., version)` takes it
         return {"step": step, "policy_version": self.version, "wait_s": wait_s, **m, **batch_metrics(batch, rewards)}
 
     def _train(self, groups: list[SampleGroup]) -> tuple[dict[str, Any], list[float]]:
@@ -212,11 +218,16 @@ class LearnerDriver:
         with self._lock:
             return {k: v.detach().clone() for k, v in self.learner.hf_state_dict().items()}
 
-    def export(self, out_dir: str) -> str:
-        """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model)."""
+    def export(self, out_dir: str, version: int | None = None) -> str:
+        """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model),
+        or of the pinned `version` (background evaluation: later steps may have trained meanwhile)."""
         from connectors.mcore_checkpoint import export_hf
 
-        return str(export_hf(self, self.model_dir, out_dir))
+        if version is None:
+            return str(export_hf(self, self.model_dir, out_dir))
+        if version not in self._pinned:
+            raise KeyError(f"version {version} was not kept for export (kept: {sorted(self._pinned)})")
+        return str(export_hf(_Weights(self._pinned.pop(version)), self.model_dir, out_dir))
 
     def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
         from connectors.weight_sync import dtype_name
@@ -258,21 +269,34 @@ class LearnerDriver:
 def learner_actor(num_cpus: float = 1, num_gpus: float = 0) -> Any:
     import ray
 
-    # Two threads: a weight push or export runs while the next step trains.
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=2)(_ActorLearner)
+    # Three threads: a weight push and an evaluation export run while the next step trains.
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=3)(_ActorLearner)
+
+
+class _Weights:
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+
+def quiet_megatron() -> None:
+    """megatron-core announces every missing GPU extra (TE, Apex) once per import: not news on CPU."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
+    warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
+    hf_logging.disable_progress_bar()
 
 
 class _ActorLearner(LearnerDriver):
     def __init__(self, recipe_json: bytes, model_dir: str, tokenizer_dir: str) -> None:
-        import warnings
-
         import msgspec
-        from transformers.utils import logging as hf_logging
 
-        # megatron-core announces every missing GPU extra (TE, Apex) once per import: not news on CPU.
-        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
-        warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
-        hf_logging.disable_progress_bar()
+        quiet_megatron()
         super().__init__(msgspec.json.decode(recipe_json, type=Recipe), model_dir)
         assert self.pool is not None
         self.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it

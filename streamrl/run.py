@@ -47,9 +47,13 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
                                 f"gen {m['gen_tokens_per_s']:.0f} tok/s loss {_fmt(m.get('loss', float('nan')))}")
 
         rt.t0 = t_rl = time.perf_counter()
+        if rt.bg_eval is not None:
+            rt.bg_eval.t0 = rt.t0 - rt.wall_offset
         await loop.MODES[r.run.mode](rt, r.run.steps, on_step)
         summary["rl_s"] = time.perf_counter() - t_rl
         bar.close()
+        if rt.bg_eval is not None:
+            await rt.bg_eval.drain()  # evaluations of versions the run went past
         if r.run.checkpoint_every == 0 or r.run.steps % r.run.checkpoint_every:
             await rt.checkpoint(r.run.steps - 1)
         after = await rt.evaluate(r.run.steps)

@@ -34,10 +34,11 @@ def _clean(v: Any) -> Any:
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, echo: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, echo: bool = True, mirror: Any = None) -> None:
+        """`mirror`: streamrl.loggers.Loggers that also get every metrics and eval row (TensorBoard, W&B)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.echo = echo
+        self.echo, self.mirror = echo, mirror
 
     def _append(self, name: str, line: bytes) -> None:
         fd = os.open(self.dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -48,9 +49,13 @@ class RunLog:
 
     def metrics(self, row: dict[str, Any]) -> None:
         self._append("metrics.jsonl", json.dumps(_clean(row), sort_keys=False).encode())
+        if self.mirror is not None:
+            self.mirror.metrics(row)
 
     def eval(self, row: dict[str, Any]) -> None:
         self._append("eval.jsonl", json.dumps(_clean(row)).encode())
+        if self.mirror is not None:
+            self.mirror.eval(row)
 
     def event(self, ev: Event) -> None:
         self._append("events.jsonl", _events.encode(ev))

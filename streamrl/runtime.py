@@ -75,6 +75,20 @@ def sft_rows(r: Recipe, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     return rows
 
 
+def eval_records(r: Recipe) -> list[Any]:
+    """The held-out prompts evaluations use (data.eval_path, the first data.eval_size)."""
+    from streamrl.data import PromptSource
+
+    d = r.data
+    if not d.eval_path:
+        return []
+    src = PromptSource(d.eval_path, d.prompt_key, d.label_key, shuffle=False, on_error=d.on_error)
+    recs = []
+    while (rec := src.next()) is not None and (d.eval_size is None or len(recs) < d.eval_size):
+        recs.append(rec)
+    return recs
+
+
 def max_staleness_of(r: Recipe) -> int:
     """The bound each mode trains under: lockstep is on-policy, one-step-off one version behind."""
     return {"lockstep": 0, "one_step_off": 1}.get(r.run.mode, r.staleness.max_staleness)
@@ -82,10 +96,17 @@ def max_staleness_of(r: Recipe) -> int:
 
 class Runtime:
     def __init__(self, recipe: Recipe, run_dir: Path, progress: bool = True, resume: bool = False) -> None:
+        from streamrl.loggers import LoggerUnavailable, open_loggers
+
         self.r, self.dir, self.resume = recipe, Path(run_dir), resume
         self.start_step = 0  # the first step this process trains (> 0 when resuming)
         self.wall_offset = 0.0  # wall time the run had used before a resume
-        self.log = RunLog(self.dir, echo=progress)
+        try:  # before anything starts: a logger whose package is missing is a recipe problem
+            mirror = open_loggers(recipe.run.loggers, self.dir, recipe.run.name, recipe.run.wandb_project)
+        except LoggerUnavailable as e:
+            raise RunFailed(str(e)) from None
+        self.log = RunLog(self.dir, echo=progress, mirror=mirror)
+        self.bg_eval: Any = None  # streamrl.background_eval.BackgroundEval with run.eval_mode background
         self.progress = progress
         self.eta = max_staleness_of(recipe)
         self.router: Any = None
@@ -146,11 +167,21 @@ class Runtime:
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart)
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
+        bg_up = None
+        if r.run.eval_every and r.run.eval_mode == "background" and r.data.eval_path:
+            from streamrl.background_eval import BackgroundEval
+
+            self.bg_eval = BackgroundEval(r, self.log, self.tokenizer, eval_records(r), r.model.path,
+                                          backend=r.engines.backend, engine_kwargs=kwargs, extra_args=r.engines.extra_args,
+                                          tp=r.engines.tp, log_dir=self.dir / "logs")
+            bg_up = asyncio.create_task(self.bg_eval.start())
         if r.sft is not None and not sft_done:
             await self._sft()
             await self.learner.export.remote(str(sft_dir))
         data_states = await self._restore() if self.resume else None
         await engines_up
+        if bg_up is not None:
+            await bg_up
         if r.sft is not None or self.version:
             _, failed = await self.broadcaster.push_disk(self.version)
             if failed:
@@ -205,6 +236,9 @@ class Runtime:
     async def stop(self) -> None:
         import ray
 
+        if self.bg_eval is not None:
+            await self.bg_eval.stop()
+
         for w in self.workers:
             try:
                 await asyncio.wait_for(w.close.remote(), 60)
@@ -224,6 +258,8 @@ class Runtime:
                 ray.kill(a, no_restart=True)
         if not self.r.ray.address:
             ray.shutdown()
+        if self.log.mirror is not None:
+            self.log.mirror.close()
 
     # ------------------------------------------------------------ steps the loops are made of
 
@@ -291,8 +327,13 @@ class Runtime:
         every = self.r.run.checkpoint_every
         if every and (step + 1) % every == 0:
             await self.checkpoint(step)
-        if self.r.run.eval_every and (step + 1) % self.r.run.eval_every == 0:
-            await self.evaluate(step + 1)
+        v = metrics["policy_version"]
+        if self.r.run.eval_every and (step + 1) % self.r.run.eval_every == 0 and step + 1 < self.r.run.steps:
+            if self.bg_eval is not None:  # the learner kept version v for this export
+                path = str(self.dir / "weights" / f"eval-v{v:06d}")
+                self.bg_eval.submit(v, step + 1, self.learner.export.remote(path, v), metrics["wall_time_s"])
+            else:
+                await self.evaluate(step + 1)  # on the rollout engines: training waits
 
     async def checkpoint(self, step: int) -> None:
         path = await self.learner.checkpoint.remote(str(self.dir / "checkpoints"), {
@@ -304,19 +345,13 @@ class Runtime:
         if not self.r.data.eval_path:
             return None
         from connectors.sglang_client import SGLangClient
-        from streamrl.data import PromptSource
         from streamrl.evaluate import evaluate
 
-        d = self.r.data
-        src = PromptSource(d.eval_path, d.prompt_key, d.label_key, shuffle=False, on_error=d.on_error)
-        recs = []
-        while (rec := src.next()) is not None and (d.eval_size is None or len(recs) < d.eval_size):
-            recs.append(rec)
         async with SGLangClient(self.router.url) as c:
-            res = await evaluate(c, self.tokenizer, recs, self.r)
+            res = await evaluate(c, self.tokenizer, eval_records(self.r), self.r)
         served = self.broadcaster.version  # what the engines serve (the learner may be a step ahead)
-        row = {"policy_version": served, "step": step, "wall_time_s": time.perf_counter() - self.t0 + self.wall_offset,
-               **res}
+        wall = time.perf_counter() - self.t0 + self.wall_offset if self.steps else self.wall_offset
+        row = {"policy_version": served, "step": step, "wall_time_s": wall, "mode": "inline", **res}
         self.evals.append(row)
         self.log.eval(row)
         self.log.info(f"eval at version {served}: accuracy {res['accuracy']:.3f} "

@@ -11,6 +11,7 @@ so the kill lands exactly there.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -87,6 +88,12 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     assert ledger["lost"] == 0 and ledger["duplicated"] == 0 and ledger["unadmitted"] == 0, ledger
     assert ledger["in_flight"] == 0 and ledger["partial"] == 0, ledger
     assert ledger["consumed"] == STEPS * 3, ledger
+
+    # The resumed lineage is the run's: replaying every step from the starting weights gives the
+    # losses and grad norms logged before and after the kill, exactly.
+    res = run_streamrl(["replay", str(run_dir), "--steps", f"0-{STEPS - 1}", "--json"])
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert all(r["identical"] for r in rows) and len(rows) == STEPS, [r for r in rows if not r["identical"]]
 
     # Groups consumed: each by one step; and every step's batch is the groups the pool says.
     groups = {g.group_id: g for g in pool_groups(run_dir)}
