@@ -363,17 +363,20 @@ class _DropRouterProbes(logging.Filter):
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
           weight_version: str = "0", seed: int = 0, threads: int = 1, cpus: list[int] | None = None,
-          nice: int = 0) -> None:
+          idle: bool = False) -> None:
     """Serve until interrupted. `threads`: torch intra-op threads. One by default: engines share
     the CPU with the learner and other engines, and torch's default (one per core) collapses
     7-10x under such contention (benchmarks/engine_throughput.py --engine-threads).
     `cpus`: pin the engine to these cores (Linux; before any worker thread starts).
-    `nice`: lower this process's CPU priority by that much (a background-evaluation engine
-    yields the cores to training)."""
+    `idle`: run only on CPU time nothing else wants (Linux SCHED_IDLE, else nice 19): a
+    background-evaluation engine must not slow training down."""
     if cpus:
         os.sched_setaffinity(0, cpus)
-    if nice:
-        os.nice(nice)
+    if idle:  # before any thread starts: threads inherit the policy
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            os.nice(19)
     torch.set_num_threads(threads)
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
     server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)

@@ -3,8 +3,8 @@ a dedicated engine while training goes on.
 
 The rollout engines change version every step, so they cannot evaluate one version without
 stalling training. One extra engine (an `EngineActor` on Ray, like the rollout engines, but not
-behind the run's router; on a GPU node it takes its own GPUs; the embedded engine runs at
-nice 10 so it yields the CPU to training) does it instead: for each submitted version it loads
+behind the run's router; on a GPU node it takes its own GPUs; the embedded engine runs under
+SCHED_IDLE, on CPU time training does not use) does it instead: for each submitted version it loads
 that version's HF export (`/update_weights_from_disk`, weight_version V), runs
 `streamrl.evaluate.evaluate` against it, checks that every response came from V, and writes one
 row to eval.jsonl:
@@ -40,7 +40,6 @@ from streamrl.data import PromptRecord
 from streamrl.recipe import Recipe
 from streamrl.runlog import RunLog
 
-EVAL_NICE = 10  # CPU priority offset of the embedded eval engine
 
 
 @dataclass
@@ -60,7 +59,7 @@ class BackgroundEval:
             raise ValueError("max_pending must be >= 1")
         self.recipe, self.log, self.tokenizer, self.records = recipe, log, tokenizer, list(records)
         self.model_dir, self.backend, self.tp = str(model_dir), backend, tp
-        self.engine_kwargs = {**(engine_kwargs or {}), "nice": EVAL_NICE} if backend == "embedded" else engine_kwargs
+        self.engine_kwargs = {**(engine_kwargs or {}), "idle": True} if backend == "embedded" else engine_kwargs
         self.extra_args, self.log_dir = list(extra_args), Path(log_dir)
         self.max_pending, self.clock, self.t0 = max_pending, clock, t0
         self.startup_timeout_s = startup_timeout_s

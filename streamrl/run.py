@@ -16,7 +16,7 @@ from typing import Any
 
 from streamrl import loop
 from streamrl.recipe import Recipe
-from streamrl.runtime import Runtime
+from streamrl.runtime import RunFailed, Runtime
 
 
 def _fmt(v: Any) -> str:
@@ -66,12 +66,30 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
                     "reward_last": rt.steps[-1]["reward_mean"] if rt.steps else None,
                     "staleness_max": max((m["staleness_max"] for m in rt.steps), default=0),
                     "engine_restarts": rt.engines.restarts}
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        # Ctrl-C: stop at once; in-flight generations are not waited for (resume restarts them).
+        rt.interrupted = True
+        rt.log.warn(f"interrupted: `streamrl run --resume {run_dir}` continues this run from its last checkpoint; "
+                    "nothing in the pool is lost")
+        raise
     finally:
         await rt.stop()
     return summary
 
 
 RECIPE = "recipe.yaml"  # the run's resolved recipe, which `--resume` and `streamrl replay` read
+# What a resumed run must keep: which prompt instances exist and who owns them, and the policy the checkpoints hold.
+FIXED_ON_RESUME = ("model", "sft", "data.path", "data.shuffle", "data.seed", "rollout.workers", "rollout.n_samples",
+                   "rollout.groups_per_step", "pool")
+
+
+def _get(r: Recipe, dotted: str) -> Any:
+    import msgspec
+
+    node: Any = msgspec.to_builtins(r)
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
@@ -104,7 +122,13 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, progress: bo
     if not (d / RECIPE).is_file():
         raise FileNotFoundError(f"{d} has no {RECIPE}: it is not a StreamRL run directory (or was made before "
                                 "runs saved their recipe); start a new run with `streamrl run RECIPE --run-dir ...`")
+    was = load_recipe(d / RECIPE)
     r = load_recipe(d / RECIPE, overrides)
+    for key in FIXED_ON_RESUME:
+        old, new = (_get(x, key) for x in (was, r))
+        if old != new:
+            raise RunFailed(f"{key} cannot change on --resume ({old!r} -> {new!r}): the pool, checkpoints and "
+                             "dataset positions of this run were made with the old value; start a new run instead")
     if overrides:
         (d / RECIPE).write_text(dump_recipe(r))
     (d / "frozen_at").unlink(missing_ok=True)

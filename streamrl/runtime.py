@@ -107,6 +107,7 @@ class Runtime:
             raise RunFailed(str(e)) from None
         self.log = RunLog(self.dir, echo=progress, mirror=mirror)
         self.bg_eval: Any = None  # streamrl.background_eval.BackgroundEval with run.eval_mode background
+        self.interrupted = False  # Ctrl-C: stop without waiting for in-flight groups
         self.progress = progress
         self.eta = max_staleness_of(recipe)
         self.router: Any = None
@@ -239,7 +240,7 @@ class Runtime:
         if self.bg_eval is not None:
             await self.bg_eval.stop()
 
-        for w in self.workers:
+        for w in [] if self.interrupted else self.workers:  # interrupted: killed below, groups in flight restart on resume
             try:
                 await asyncio.wait_for(w.close.remote(), 60)
             except Exception as e:  # noqa: BLE001 - shutting down anyway

@@ -191,28 +191,12 @@ def kill_session(proc: subprocess.Popen[Any], run_dir: Path | None = None) -> No
                 pass
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Ray's GCS, raylet and workers, the router, the engines)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def power_off(proc: subprocess.Popen[Any], run_dir: Path) -> int:
     """SIGKILL the whole run at once, as a power cut would: every process is stopped first (so
     none reacts to another's death: no clean-up, no final writes), then killed. Returns how
     many processes were killed."""
+    from enginekit import descendants
+
     killed: set[int] = set()
     for _ in range(5):  # a process may have been forking while we looked
         pids = [p for p in {proc.pid, *descendants(proc.pid), *run_processes(run_dir)} if p not in killed]

@@ -153,3 +153,24 @@ def test_query_while_another_process_writes(tmp_path: Path) -> None:
     assert len(counts) >= 2 and counts[-1] > counts[0] > 0, counts
     r = _cli("pool", "stats", str(tmp_path), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["ledger"]["complete"] == 400
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`streamrl run --resume`: bad input exits 2 with the reason, before anything starts."""
+    from streamrl.recipe import dump_recipe, load_recipe
+
+    assert main(["run", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert "has no recipe.yaml" in capsys.readouterr().err
+    assert main(["run"]) == 2
+    assert "needs a RECIPE" in capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text(dump_recipe(load_recipe(REPO / "recipes" / "quickstart.yaml")))
+    assert main(["run", "--resume", str(run_dir), "rollout.workers=3"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.workers cannot change on --resume (1 -> 3)" in err
+    assert main(["run", "--resume", str(run_dir), "--run-dir", str(tmp_path)]) == 2
+    assert "--resume takes the run directory" in capsys.readouterr().err
+    assert main(["run", "--resume", str(run_dir), "rollout.n_samples=0"]) == 2  # the recipe's own checks apply
+    assert "rollout.n_samples" in capsys.readouterr().err
+    assert not (run_dir / "run.log").exists()  # nothing started

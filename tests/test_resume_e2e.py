@@ -1,5 +1,5 @@
 """Lossless resume: a streaming run is SIGKILLed as a whole (every process stopped, then killed)
-at a chosen moment, `streamrl run --resume` finishes it, and the pool proves that nothing was
+at a chosen moment, or stopped with Ctrl-C, `streamrl run --resume` finishes it, and the pool proves that nothing was
 lost or trained on twice, and that groups saved as `partial` before the kill were continued
 (their version spans start before the kill and end after it).
 
@@ -12,13 +12,16 @@ so the kill lands exactly there.
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from streamkit import (RUN_TIMEOUT_S, assert_ledger_balanced, describe_run, finish_streamrl, pool_groups, power_off,
-                       read_events, read_metrics, run_log, run_streamrl, start_streamrl, task_data, tiny_model,
+from streamkit import (RUN_TIMEOUT_S, assert_ledger_balanced, describe_run, pool_groups, power_off, read_events,
+                       read_metrics, run_log, run_processes, run_streamrl, start_streamrl, task_data, tiny_model,
                        write_recipe)
 
 pytestmark = pytest.mark.slow
@@ -38,7 +41,7 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("moment", ["publish:5", "checkpoint.files:2", "random"])
+@pytest.mark.parametrize("moment", ["publish:5", "checkpoint.files:2", "random", "sigint"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str) -> None:
     run_dir = tmp_path / "run"
@@ -48,9 +51,9 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         # so every version update interrupts groups mid-generation (partial groups).
         "rollout.max_new_tokens": 48, "rollout.groups_per_step": 3, "engines.max_running": 4,
         "engines.weight_sync": "distributed"})
-    env = {} if moment == "random" else {"STREAMRL_FREEZE_AT": moment}
+    env = {} if moment in ("random", "sigint") else {"STREAMRL_FREEZE_AT": moment}
     proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
-    if moment == "random":
+    if moment in ("random", "sigint"):
         _wait_for(lambda: len(read_metrics(run_dir)) >= 4, "4 steps", proc, run_dir)
         time.sleep(random.Random().uniform(0.0, 2.0))
     else:
@@ -59,8 +62,21 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     partial_before = {g.group_id: max(sp.version for s in g.samples for sp in s.spans) if any(
         s.spans for s in g.samples) else None for g in pool_groups(run_dir, "status = 'partial'")}
     steps_before = {m["step"] for m in read_metrics(run_dir)}
-    killed = power_off(proc, run_dir)
-    assert killed >= 5, f"only {killed} processes killed: the run's Ray/engine processes were not found"
+    if moment == "sigint":  # Ctrl-C: the run stops by itself, without waiting for its groups in flight
+        os.kill(proc.pid, signal.SIGINT)
+        try:
+            assert proc.wait(90) == 130
+        except subprocess.TimeoutExpired:
+            power_off(proc, run_dir)
+            pytest.fail("the run did not stop within 90 s of SIGINT\n" + describe_run(run_dir))
+        assert f"streamrl run --resume {run_dir}" in run_log(run_dir)
+        t0 = time.monotonic()
+        while run_processes(run_dir) and time.monotonic() - t0 < 20:
+            time.sleep(0.5)
+        assert not run_processes(run_dir), "processes of the interrupted run are left behind"
+    else:
+        killed = power_off(proc, run_dir)
+        assert killed >= 5, f"only {killed} processes killed: the run's Ray/engine processes were not found"
     if moment.startswith("publish"):
         assert partial_before, "engines paused in abort mode: interrupted groups should have been saved as partial"
     if moment.startswith("checkpoint"):
