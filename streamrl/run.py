@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,17 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
 
     rt = Runtime(r, run_dir, progress, resume=resume)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "mode": r.run.mode, "steps": r.run.steps}
+    events, main = asyncio.get_running_loop(), asyncio.current_task()
+    assert main is not None
+
+    def on_sigint() -> None:  # Ctrl-C: stop at once; groups in flight are not waited for (resume restarts them)
+        if not rt.interrupted:
+            rt.interrupted = True
+            rt.log.warn(f"interrupted: `streamrl run --resume {run_dir}` continues this run from its last checkpoint; "
+                        "nothing in the pool is lost")
+            main.cancel()
+
+    events.add_signal_handler(signal.SIGINT, on_sigint)
     try:
         t_setup = time.perf_counter()
         await rt.start()
@@ -66,13 +78,12 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
                     "reward_last": rt.steps[-1]["reward_mean"] if rt.steps else None,
                     "staleness_max": max((m["staleness_max"] for m in rt.steps), default=0),
                     "engine_restarts": rt.engines.restarts}
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        # Ctrl-C: stop at once; in-flight generations are not waited for (resume restarts them).
-        rt.interrupted = True
-        rt.log.warn(f"interrupted: `streamrl run --resume {run_dir}` continues this run from its last checkpoint; "
-                    "nothing in the pool is lost")
+    except asyncio.CancelledError:
+        if rt.interrupted:
+            raise KeyboardInterrupt from None
         raise
     finally:
+        events.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C aborts the clean-up too
         await rt.stop()
     return summary
 

@@ -222,7 +222,10 @@ class Runtime:
         self.log.event(RunResumed(checkpoint_step=ck_step, redone_steps=list(redo), version=self.version, at=now_ns()))
         self.log.info(f"resuming {self.dir} at step {self.start_step} (version {self.version}): checkpoint of step "
                       f"{ck_step}, then {len(redo)} step(s) trained again from the pool")
-        return extra.get("workers") if extra else None
+        workers = extra.get("workers") if extra else None
+        if redo:  # so that another stop does not have to train these steps a third time
+            await self.checkpoint(self.start_step - 1, workers)
+        return workers
 
     async def _sft(self) -> None:
         s = self.r.sft
@@ -336,9 +339,11 @@ class Runtime:
             else:
                 await self.evaluate(step + 1)  # on the rollout engines: training waits
 
-    async def checkpoint(self, step: int) -> None:
-        path = await self.learner.checkpoint.remote(str(self.dir / "checkpoints"), {
-            "step": step, "workers": [x["data_state"] for x in getattr(self, "_reports", [])]})
+    async def checkpoint(self, step: int, workers: list[dict[str, Any]] | None = None) -> None:
+        """`workers`: their dataset positions (default: as of the last step's reports)."""
+        if workers is None:
+            workers = [x["data_state"] for x in getattr(self, "_reports", [])]
+        path = await self.learner.checkpoint.remote(str(self.dir / "checkpoints"), {"step": step, "workers": workers})
         self.log.event(RunCheckpointed(step=step, version=int(Path(path).name.split("_")[-1]), path=path, at=now_ns()))
 
     async def evaluate(self, step: int) -> dict[str, Any] | None:

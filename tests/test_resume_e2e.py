@@ -53,7 +53,9 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         "engines.weight_sync": "distributed"})
     env = {} if moment in ("random", "sigint") else {"STREAMRL_FREEZE_AT": moment}
     proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
-    if moment in ("random", "sigint"):
+    if moment == "sigint":
+        _wait_for(lambda: len(read_metrics(run_dir)) >= 3, "3 steps", proc, run_dir)
+    elif moment == "random":
         _wait_for(lambda: len(read_metrics(run_dir)) >= 4, "4 steps", proc, run_dir)
         time.sleep(random.Random().uniform(0.0, 2.0))
     else:
@@ -69,6 +71,7 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         except subprocess.TimeoutExpired:
             power_off(proc, run_dir)
             pytest.fail("the run did not stop within 90 s of SIGINT\n" + describe_run(run_dir))
+        assert len(read_metrics(run_dir)) < STEPS, "the run had finished before the SIGINT: nothing to test"
         assert f"streamrl run --resume {run_dir}" in run_log(run_dir)
         t0 = time.monotonic()
         while run_processes(run_dir) and time.monotonic() - t0 < 20:
