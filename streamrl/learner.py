@@ -98,7 +98,8 @@ class LearnerDriver:
         # The weights engines get are a copy taken right after each step, so they can be pushed
         # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._pinned: dict[int, dict[str, torch.Tensor]] = {}  # versions a background evaluation will export
+        self._pinned: dict[int, dict[str, torch.Tensor]] = {}
+        self.last_step = -1  # the learner step the current weights come from (-1: none yet)  # versions a background evaluation will export
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ SFT warm-start
@@ -154,7 +155,7 @@ class LearnerDriver:
             time.sleep(0.05)
         wait_s = time.perf_counter() - t_wait
         batch.groups = batch_order(batch.groups)
-        m, rewards = self._train(batch.groups)
+        m, rewards = self._train(step, batch.groups)
         run = self.r.run
         if run.eval_every and run.eval_mode == "background" and self.version % run.eval_every == 0 \
                 and self.version < run.steps:  # the last version is evaluated at the end of the run
@@ -162,11 +163,12 @@ class LearnerDriver:
             self._pinned[self.version] = self._snapshot  # kept whole until `export(..., version)` takes it
         return {"step": step, "policy_version": self.version, "wait_s": wait_s, **m, **batch_metrics(batch, rewards)}
 
-    def _train(self, groups: list[SampleGroup]) -> tuple[dict[str, Any], list[float]]:
+    def _train(self, step: int, groups: list[SampleGroup]) -> tuple[dict[str, Any], list[float]]:
         rows, rewards = learner_rows(groups, self.r.learner.advantage)
         t0 = time.perf_counter()
         with self._lock:
             stats = self.learner.rl_step(rows, self.cfg) if rows else {}
+            self.last_step = step
             self._snapshot = {k: v.detach().clone() for k, v in self.learner.hf_state_dict().items()}
         train_s = time.perf_counter() - t0
         tokens = sum(len(r.response) for r in rows)
@@ -188,7 +190,7 @@ class LearnerDriver:
                 if staleness.decide(v, g.min_version if g.min_version is not None else v, max_staleness,
                                     "mask") == "mask":
                     staleness.mask_stale_tokens(g, v, max_staleness)
-        m, rewards = self._train(groups)
+        m, rewards = self._train(step, groups)
         return {"step": step, "policy_version": self.version, "groups": [g.group_id for g in groups],
                 "samples": sum(len(g.samples) for g in groups),
                 "reward_mean": float(np.mean(rewards)) if rewards else float("nan"), **m}
@@ -207,6 +209,7 @@ class LearnerDriver:
         with self._lock:
             extra = load_checkpoint(self.learner, root, step=version)
             self._snapshot = None
+            self.last_step = int(extra.get("step", self.version - 1))
         return extra
 
     # ------------------------------------------------------------ weights
@@ -251,7 +254,10 @@ class LearnerDriver:
         assert self._group is not None, "init_weight_group first"
         broadcast(self._group, list(self.hf_state_dict().values()))
 
-    def checkpoint(self, root: str, extra: dict[str, Any]) -> str:
+    def checkpoint(self, root: str, extra: dict[str, Any]) -> dict[str, Any]:
+        """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step
+        may have trained since the caller asked: the next step overlaps the publish in stream mode).
+        Returns {path, step, version}."""
         from connectors import mcore_checkpoint
         from connectors.mcore_checkpoint import save_checkpoint
         from streamrl import faultpoint
@@ -259,7 +265,10 @@ class LearnerDriver:
         if os.environ.get(faultpoint.ENV):
             mcore_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
         with self._lock:
-            return str(save_checkpoint(self.learner, root, extra=extra, keep_last=self.r.run.keep_checkpoints or None))
+            step = self.last_step
+            path = save_checkpoint(self.learner, root, extra={**extra, "step": step},
+                                   keep_last=self.r.run.keep_checkpoints or None)
+            return {"path": str(path), "step": step, "version": self.version}
 
     def close(self) -> None:
         if self.pool is not None:

@@ -3,9 +3,9 @@
     streamrl replay runs/quickstart --steps 120-125
     streamrl replay runs/quickstart --where "min_version BETWEEN 10 AND 12 AND reward_std = 0"
 
-`--steps A-B` starts from the newest checkpoint at or before step A (the checkpoint of version v
-holds the learner after steps 0..v-1; with none, from the run's starting weights, as step 0
-was), trains steps v..A-1 again without printing them, then steps A..B, each on exactly the
+`--steps A-B` starts from the newest checkpoint saved before step A was trained (its meta.json
+records the last step it holds; with none, from the run's starting weights, as step 0 was),
+trains the steps between it and A again without printing them, then steps A..B, each on exactly the
 groups it consumed (the pool records the step), and prints the loss and grad norm the run logged
 next to the replayed ones. On CPU, with the run's recipe, they are identical.
 
@@ -74,12 +74,23 @@ def _learner(r: Recipe, run_dir: Path) -> Any:
     return LearnerDriver(r, str(sft) if (sft / "config.json").exists() else r.model.path)
 
 
-def _start_version(run_dir: Path, before_step: int) -> int:
-    """The newest checkpoint at or before `before_step` (0: the run's starting weights)."""
+def _checkpoints(run_dir: Path) -> list[tuple[int, int]]:
+    """(version, last step trained) of every checkpoint, oldest first."""
+    import json
+
     from connectors.mcore_checkpoint import list_checkpoints
 
-    have = [v for v, _ in list_checkpoints(run_dir / "checkpoints")]
-    return max((v for v in have if v <= before_step), default=0)
+    out = []
+    for v, p in list_checkpoints(run_dir / "checkpoints"):
+        extra = json.loads((p / "meta.json").read_text()).get("extra", {})
+        out.append((v, int(extra.get("step", v - 1))))
+    return out
+
+
+def _start(run_dir: Path, before_step: int) -> tuple[int, int]:
+    """(version, first step to train) of the newest checkpoint saved before `before_step` was
+    trained; (0, 0): the run's starting weights."""
+    return max(((v, s + 1) for v, s in _checkpoints(run_dir) if s < before_step), default=(0, 0))
 
 
 def _original(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -102,11 +113,11 @@ def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = Tr
     if missing:
         done = max(batches, default=-1)
         raise ReplayError(f"steps {missing[:5]} consumed no groups in {d / 'pool'} (the run trained steps 0-{done})")
-    v0 = _start_version(d, first)
+    v0, s0 = _start(d, first)
     if v0:
         drv.restore(str(d / "checkpoints"), version=v0)
     orig, rows = _original(d), []
-    for step in tqdm(range(v0, last + 1), desc="replay", unit="step", disable=not progress):
+    for step in tqdm(range(s0, last + 1), desc="replay", unit="step", disable=not progress):
         m = drv.retrain(step, batches[step], max_staleness_of(r))
         if step >= first:
             o = orig.get(step, {})
@@ -147,18 +158,16 @@ def replay_where(run_dir: str | Path, where: str, progress: bool = True) -> list
     groups = select_groups(d, where)
     if not groups:
         raise ReplayError(f"--where {where!r} selects no group in {d / 'pool'}")
-    from connectors.mcore_checkpoint import list_checkpoints
 
     consumed = [g["consumed_step"] for g in groups if g["consumed_step"] is not None]
-    have = [v for v, _ in list_checkpoints(d / "checkpoints")]
-    v0 = _start_version(d, min(consumed)) if consumed else max(have, default=0)
+    v0, s0 = _start(d, min(consumed)) if consumed else max(((v, s + 1) for v, s in _checkpoints(d)), default=(0, 0))
     drv = _learner(r, d)
     if v0:
         drv.restore(str(d / "checkpoints"), version=v0)
     k, rows = r.rollout.groups_per_step, []
     for i in tqdm(range(0, len(groups), k), desc="replay", unit="batch", disable=not progress):
         chunk = groups[i:i + k]
-        m = drv.retrain(v0 + i // k, [g["group_id"] for g in chunk], max_staleness_of(r))
+        m = drv.retrain(s0 + i // k, [g["group_id"] for g in chunk], max_staleness_of(r))
         steps = sorted({g["consumed_step"] for g in chunk if g["consumed_step"] is not None})
         rows.append({"batch": i // k, "groups": len(chunk), "loss": m.get("loss"), "grad_norm": m.get("grad_norm"),
                      "reward_mean": m["reward_mean"], "start_version": v0, "orig_steps": steps,

@@ -67,7 +67,7 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
         if rt.bg_eval is not None:
             await rt.bg_eval.drain()  # evaluations of versions the run went past
         if r.run.checkpoint_every == 0 or r.run.steps % r.run.checkpoint_every:
-            await rt.checkpoint(r.run.steps - 1)
+            await rt.checkpoint()
         after = await rt.evaluate(r.run.steps)
         summary["model"] = await rt.export()
         samples = sum(m["samples"] for m in rt.steps)

@@ -224,7 +224,7 @@ class Runtime:
                       f"{ck_step}, then {len(redo)} step(s) trained again from the pool")
         workers = extra.get("workers") if extra else None
         if redo:  # so that another stop does not have to train these steps a third time
-            await self.checkpoint(self.start_step - 1, workers)
+            await self.checkpoint(workers)
         return workers
 
     async def _sft(self) -> None:
@@ -330,7 +330,7 @@ class Runtime:
         self.log.metrics({k: v for k, v in metrics.items() if k != "groups"} | {"groups": metrics["groups"]})
         every = self.r.run.checkpoint_every
         if every and (step + 1) % every == 0:
-            await self.checkpoint(step)
+            await self.checkpoint()
         v = metrics["policy_version"]
         if self.r.run.eval_every and (step + 1) % self.r.run.eval_every == 0 and step + 1 < self.r.run.steps:
             if self.bg_eval is not None:  # the learner kept version v for this export
@@ -339,12 +339,12 @@ class Runtime:
             else:
                 await self.evaluate(step + 1)  # on the rollout engines: training waits
 
-    async def checkpoint(self, step: int, workers: list[dict[str, Any]] | None = None) -> None:
+    async def checkpoint(self, workers: list[dict[str, Any]] | None = None) -> None:
         """`workers`: their dataset positions (default: as of the last step's reports)."""
         if workers is None:
             workers = [x["data_state"] for x in getattr(self, "_reports", [])]
-        path = await self.learner.checkpoint.remote(str(self.dir / "checkpoints"), {"step": step, "workers": workers})
-        self.log.event(RunCheckpointed(step=step, version=int(Path(path).name.split("_")[-1]), path=path, at=now_ns()))
+        ck = await self.learner.checkpoint.remote(str(self.dir / "checkpoints"), {"workers": workers})
+        self.log.event(RunCheckpointed(step=ck["step"], version=ck["version"], path=ck["path"], at=now_ns()))
 
     async def evaluate(self, step: int) -> dict[str, Any] | None:
         """Held-out accuracy at the version the engines serve now (eval.jsonl)."""

@@ -39,10 +39,11 @@ def _replay(run_dir: Path, *args: str) -> list[dict]:
 def test_replay_reproduces_losses_exactly(run_dir: Path) -> None:
     logged = {m["step"]: m for m in read_metrics(run_dir)}
     assert sorted(logged) == list(range(STEPS))
-    # Steps 4-6: from the checkpoint of version 3 (after steps 0-2), step 3 re-trained silently first.
+    # Steps 4-6: from the checkpoint saved after step 2 (or after step 3: in stream mode the next
+    # step may train while the checkpoint is being asked for; its meta.json says which).
     rows = _replay(run_dir, "--steps", "4-6")
     assert [r["step"] for r in rows] == [4, 5, 6]
-    assert {r["start_version"] for r in rows} == {3}
+    assert {r["start_version"] for r in rows} <= {3, 4} and rows[0]["start_version"] > 0
     for r in rows:
         assert r["loss"] == logged[r["step"]]["loss"], r
         assert r["grad_norm"] == logged[r["step"]]["grad_norm"], r
