@@ -47,9 +47,11 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path, tiny_model, task_data["train"], {
         "run.steps": STEPS, "run.checkpoint_every": EVERY, "run.keep_checkpoints": 0,
-        # Long responses and an engine that decodes 4 at a time: generation is slower than training,
-        # so every version update interrupts groups mid-generation (partial groups).
-        "rollout.max_new_tokens": 48, "rollout.groups_per_step": 3, "engines.max_running": 4,
+        # Long responses and an engine that decodes 2 at a time: generation is several times slower
+        # than training, so groups are always in flight and every version update interrupts some
+        # (partial groups). With 48 tokens and 4 at a time, generation sometimes ran a step ahead
+        # and a publish found nothing in flight.
+        "rollout.max_new_tokens": 64, "rollout.groups_per_step": 3, "engines.max_running": 2,
         "engines.weight_sync": "distributed"})
     env = {} if moment in ("random", "sigint") else {"STREAMRL_FREEZE_AT": moment}
     proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
@@ -61,8 +63,10 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     else:
         _wait_for(lambda: (run_dir / "frozen_at").exists(), f"the run to reach {moment}", proc, run_dir)
         time.sleep(2.0)  # the rest of the run goes on meanwhile: workers save interrupted groups as partial
-    partial_before = {g.group_id: max(sp.version for s in g.samples for sp in s.spans) if any(
-        s.spans for s in g.samples) else None for g in pool_groups(run_dir, "status = 'partial'")}
+    # The partial groups in the pool now: tokens saved per sample, and the newest version among them.
+    partial_before = {g.group_id: ([s.response_tokens.tolist() for s in g.samples],
+                                   max((sp.version for s in g.samples for sp in s.spans), default=None))
+                      for g in pool_groups(run_dir, "status = 'partial'")}
     steps_before = {m["step"] for m in read_metrics(run_dir)}
     if moment == "sigint":  # Ctrl-C: the run stops by itself, without waiting for its groups in flight
         os.kill(proc.pid, signal.SIGINT)
@@ -123,15 +127,16 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     for s, m in last.items():
         assert sorted(m["groups"]) == sorted(by_step[s]), f"step {s}"
 
-    # Partial groups saved before the kill were continued, not regenerated.
-    for gid, vmax in partial_before.items():
+    # Partial groups saved before the kill were continued, not regenerated: each sample's final
+    # tokens start with the ones saved before the kill (abort_resume keeps them).
+    for gid, (saved, _) in partial_before.items():
         g = groups[gid]
         assert g.status in ("complete", "consumed", "dropped"), (gid, g.status)
-        if vmax is None:
-            continue
-        versions = sorted({sp.version for s in g.samples for sp in s.spans})
-        assert versions[0] <= vmax, f"{gid}: its tokens from before the kill (versions <= {vmax}) were thrown away"
-    continued = [gid for gid, vmax in partial_before.items() if vmax is not None and any(
-        len(s.spans) > 1 and s.spans[0].version <= vmax < s.spans[-1].version for s in groups[gid].samples)]
-    if partial_before:
+        for s, before in zip(g.samples, saved):
+            assert s.response_tokens.tolist()[:len(before)] == before, f"{gid}/{s.index}: saved tokens were lost"
+    if moment.startswith("publish"):
+        # Frozen with the engines paused: those groups could not go on before the kill, so after
+        # it they got tokens from a newer version than any they had (their spans cross the kill).
+        continued = [gid for gid, (_, vmax) in partial_before.items() if vmax is not None and any(
+            len(s.spans) > 1 and s.spans[0].version <= vmax < s.spans[-1].version for s in groups[gid].samples)]
         assert continued, "no partial group from before the kill got tokens from a version after it"
