@@ -18,6 +18,13 @@ from streamrl.rewards import RewardHub
 from streamrl.rollout import decode_response, encode_prompt
 
 
+def eval_due(run: Any, version: int) -> bool:
+    """Whether `version` gets a periodic evaluation (`run.eval_every`; the last version is
+    evaluated at the end of the run anyway). One rule for the runtime and the learner, which
+    keeps that version's weights when the evaluation runs in the background."""
+    return bool(run.eval_every) and version % run.eval_every == 0 and 0 < version < run.steps
+
+
 async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRecord], recipe: Recipe,
                    concurrency: int = 64) -> dict[str, Any]:
     ro, k = recipe.rollout, recipe.data.eval_samples

@@ -98,8 +98,8 @@ class LearnerDriver:
         # The weights engines get are a copy taken right after each step, so they can be pushed
         # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._pinned: dict[int, dict[str, torch.Tensor]] = {}
-        self.last_step = -1  # the learner step the current weights come from (-1: none yet)  # versions a background evaluation will export
+        self._pinned: dict[int, dict[str, torch.Tensor]] = {}  # versions a background evaluation will export
+        self.last_step = -1  # the learner step the current weights come from (-1: none yet)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ SFT warm-start
@@ -134,6 +134,7 @@ class LearnerDriver:
     def train_step(self, step: int, max_staleness: int, timeout_s: float = 600) -> dict[str, Any] | None:
         """Claim a batch (waiting up to `timeout_s` for enough complete groups), train, return metrics;
         None when no batch became ready in time."""
+        from streamrl.evaluate import eval_due
         from streamrl.filters import top_by_reward_std
 
         assert self.pool is not None
@@ -156,9 +157,7 @@ class LearnerDriver:
         wait_s = time.perf_counter() - t_wait
         batch.groups = batch_order(batch.groups)
         m, rewards = self._train(step, batch.groups)
-        run = self.r.run
-        if run.eval_every and run.eval_mode == "background" and self.version % run.eval_every == 0 \
-                and self.version < run.steps:  # the last version is evaluated at the end of the run
+        if self.r.run.eval_mode == "background" and eval_due(self.r.run, self.version):
             assert self._snapshot is not None
             self._pinned[self.version] = self._snapshot  # kept whole until `export(..., version)` takes it
         return {"step": step, "policy_version": self.version, "wait_s": wait_s, **m, **batch_metrics(batch, rewards)}

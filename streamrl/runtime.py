@@ -331,8 +331,10 @@ class Runtime:
         every = self.r.run.checkpoint_every
         if every and (step + 1) % every == 0:
             await self.checkpoint()
+        from streamrl.evaluate import eval_due
+
         v = metrics["policy_version"]
-        if self.r.run.eval_every and (step + 1) % self.r.run.eval_every == 0 and step + 1 < self.r.run.steps:
+        if eval_due(self.r.run, v):
             if self.bg_eval is not None:  # the learner kept version v for this export
                 path = str(self.dir / "weights" / f"eval-v{v:06d}")
                 self.bg_eval.submit(v, step + 1, self.learner.export.remote(path, v), metrics["wall_time_s"])
