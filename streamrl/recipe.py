@@ -133,13 +133,23 @@ class RolloutCfg(_Cfg):
     max_concurrency: PosInt = 64  # groups generating at once per worker
     over_sampling: Annotated[float, msgspec.Meta(ge=1)] = 1.0  # claim this many x groups_per_step, train on the
     # groups_per_step with the largest reward std (slime's over-sampling filter); the rest are dropped
-    workers: PosInt = 1  # rollout worker actors
+    workers: NonNegInt = 1  # rollout worker actors; 0 = only external producers (producer_api) feed the run
 
 
 class StalenessCfg(_Cfg):
     max_staleness: NonNegInt = 1  # eta; 0 = on-policy
     policy: ConsumptionPolicy = "drop"
     partial_rollout: PartialRolloutPolicy = "abort_resume"
+
+
+class ProducerApiCfg(_Cfg):
+    """External producers: other processes submit groups over HTTP (`streamrl produce serve`)."""
+
+    enabled: bool = False  # reserve a share of the admission capacity for them and start the service with the run
+    host: str = "127.0.0.1"  # another address exposes it beyond this machine (bearer token still required)
+    port: NonNegInt = 0  # 0 = any free port; the URL is written to RUN_DIR/producer.json
+    max_body_mb: PosFloat = 16.0  # larger submissions are refused with 413
+    lease_s: PosFloat = 600.0  # a lease's unused slots return to the capacity after this long
 
 
 class PoolCfg(_Cfg):
@@ -193,7 +203,10 @@ class Recipe(_Cfg):
     staleness: StalenessCfg = msgspec.field(default_factory=StalenessCfg)
     reward: FnRef = msgspec.field(default_factory=lambda: FnRef(fn="streamrl.rewards:exact_match"))
     filters: list[FnRef] = []
-    producers: list[FnRef] = []
+    # agent environment: async fn(task, llm) running the turns of one sample (streamrl/agent.py);
+    # without it each sample is one generation from the prompt
+    env: FnRef | None = None
+    producer_api: ProducerApiCfg = msgspec.field(default_factory=ProducerApiCfg)
     pool: PoolCfg = msgspec.field(default_factory=PoolCfg)
     learner: LearnerCfg = msgspec.field(default_factory=LearnerCfg)
     engines: EnginesCfg = msgspec.field(default_factory=EnginesCfg)

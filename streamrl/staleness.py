@@ -23,6 +23,12 @@ def admission_capacity(learner_version: int, max_staleness: int, groups_per_step
     return (learner_version + max_staleness + 1) * groups_per_step
 
 
+def capacity_share(total: int, index: int, shares: int) -> int:
+    """Producer `index`'s part of `total` admission capacity split `shares` ways (the first
+    `total % shares` producers get one more), so the parts always sum to `total`."""
+    return total // shares + (1 if index < total % shares else 0)
+
+
 def may_start(started_groups: int, learner_version: int, max_staleness: int, groups_per_step: int) -> bool:
     """True while one more group may start (counting it, `started_groups + 1` stays within capacity)."""
     return started_groups + 1 <= admission_capacity(learner_version, max_staleness, groups_per_step)

@@ -75,7 +75,7 @@ def test_quickstart_defaults_are_filled():
         for k in want:
             if k not in raw.get(section, {}):
                 assert got[k] == want[k], f"{section}.{k}"
-    assert r.model.tokenizer is None and r.filters == [] and r.producers == []
+    assert r.model.tokenizer is None and r.filters == [] and r.env is None and not r.producer_api.enabled
     assert r.run_dir == Path("runs/quickstart")
     assert r.pool_uri == str(Path("runs/quickstart") / "pool")
 
@@ -101,7 +101,7 @@ def test_good_full_recipe_values():
     assert r.staleness.policy == "mask" and r.staleness.partial_rollout == "in_place"
     assert [f.fn for f in r.filters] == ["streamrl.rewards:exact_match"] * 2
     assert r.filters[0].args == {"threshold": 0.5} and r.filters[1].args == {}
-    assert r.producers[0].args == {"count": 2, "names": ["a", "b"]}
+    assert r.env.args == {"count": 2, "names": ["a", "b"]}
     assert r.pool.commit_linger_ms == 0.0 and isinstance(r.pool.commit_linger_ms, float)
     assert r.engines.backend == "sglang" and r.engines.router_policy == "cache_aware"
 
@@ -173,12 +173,12 @@ def test_override_value_may_contain_equals_sign():
 def test_override_list_items():
     r = load_recipe(
         GOOD_FULL,
-        ["filters.0.args.threshold=0.25", "filters.1.args={k: [1, 2]}", "producers.0.args.count=5"],
+        ["filters.0.args.threshold=0.25", "filters.1.args={k: [1, 2]}", "env.args.count=5"],
     )
     assert r.filters[0].args == {"threshold": 0.25}
     assert r.filters[1].args == {"k": [1, 2]}
     assert r.filters[1].fn == "streamrl.rewards:exact_match"
-    assert r.producers[0].args == {"count": 5, "names": ["a", "b"]}
+    assert r.env.args == {"count": 5, "names": ["a", "b"]}
 
 
 def test_override_replaces_a_list_item_function_and_checks_it():
@@ -305,7 +305,7 @@ BAD = {
     "bad_fn_module_missing.yaml": (7, "reward.fn", "cannot import module 'streamrl_no_such_module_for_tests'"),
     "bad_fn_attr_missing.yaml": (9, "filters[1].fn", "has no attribute 'no_such_function'"),
     "bad_generate_fn_attr_missing.yaml": (7, "data.generate.fn", "has no attribute 'generate'"),
-    "bad_fn_not_callable.yaml": (7, "producers[0].fn", "is a str, not a function"),
+    "bad_fn_not_callable.yaml": (7, "env.fn", "is a str, not a function"),
     "bad_filter_unknown_key.yaml": (10, "filters[1].weight", "unknown key `weight`"),
     "bad_yaml_syntax.yaml": (8, None, "not valid YAML"),
     "bad_yaml_unclosed_quote.yaml": (3, None, "not valid YAML"),
