@@ -19,6 +19,7 @@ EPILOG = """examples:
   streamrl check recipes/quickstart.yaml rollout.n_samples=4
   streamrl model init runs/models/tiny --preset tiny
   streamrl engine serve --model runs/models/tiny --port 30001
+  streamrl produce serve runs/quickstart                     # external producers submit groups over HTTP
   streamrl pool stats runs/quickstart --json
   streamrl pool query runs/quickstart "SELECT status, count(*) FROM pool GROUP BY 1"
   streamrl pool show runs/quickstart <GROUP_ID>
@@ -114,6 +115,41 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: engines share the CPU; more only on an otherwise idle machine)")
 
+    pr = sub.add_parser("produce", help="let other processes stream sample groups into a run (producer API)")
+    prs = pr.add_subparsers(dest="produce_cmd", required=True, metavar="ACTION")
+    pv = prs.add_parser(
+        "serve", help="serve the producer API of a run over HTTP",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve RUN_DIR's producer API: external producers (agent environments, other clusters) lease "
+                    "staleness slots and submit finished sample groups, which are validated and appended to the "
+                    "run's pool. The run must have producer_api.enabled=true (it then reserves the last share of "
+                    "the admission capacity for them) and run.mode=stream. Start it from the directory the run "
+                    "was started in (recipe paths are relative to it); `streamrl run` starts it itself.",
+        epilog="""files in RUN_DIR:
+  reads   recipe.yaml, events.jsonl (the published policy version), endpoints.json (router_url),
+          the model's config.json (vocab_size, max_position_embeddings), the pool
+  writes  producer_token (bearer token, mode 0600, created once), producer.json ({url, pid,
+          token_file} while serving), producer.lock (one service per run), logs/producer.log
+          (one line per refused submission)
+
+routes (all but /health need 'Authorization: Bearer <token>'; errors are
+{"error": {"code", "reason"}}):
+  GET  /health                 200 when serving
+  GET  /v1/status              version, max_staleness, groups_per_step, n_samples, room,
+                               outstanding, started, stored, router_url, counters
+  POST /v1/leases              {"producer_id", "groups"} -> {lease_id, slots, version, expires_at_s};
+                               429 with retry_after_s while the staleness bound is reached
+  POST /v1/groups              {"lease_id", "group": SampleGroup} as application/json or
+                               application/msgpack; 200 {stored: true} or {duplicate: true} (group ids
+                               are idempotency keys); 401, 400, 409, 413, 415, 422 say why not
+  GET  /v1/groups/{group_id}   {group_id, status} of a stored group, or 404
+
+SDK: streamrl.producer.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
+    pv.add_argument("run_dir")
+    pv.add_argument("--host", help="bind address (default producer_api.host, 127.0.0.1: this machine only)")
+    pv.add_argument("--port", type=int, help="port (default producer_api.port; 0 = any free port)")
+    pv.add_argument("--quiet", action="store_true", help="no start-up line, refusals only in logs/producer.log")
+
     pool = sub.add_parser("pool", help="inspect an experience pool (stats, query, show, export)")
     ps = pool.add_subparsers(dest="pool_cmd", required=True, metavar="ACTION")
     st = ps.add_parser("stats", help="rows/groups by status, versions, staleness, rewards, ledger",
@@ -142,6 +178,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import os
+
+    if os.getcwd() not in sys.path:  # recipes name functions in the user's modules (`recipes.envs.calculator:solve`)
+        sys.path.insert(0, os.getcwd())
     from pools.base import PoolError
     from streamrl.recipe import RecipeError
 
@@ -225,6 +265,14 @@ def _dispatch(args: argparse.Namespace) -> int:
                              f"`streamrl model init {args.model}`")
         serve(args.model, host=args.host, port=args.port, max_running=args.max_running,
               weight_version=args.weight_version, seed=args.seed, threads=args.threads)
+        return 0
+    if args.cmd == "produce":
+        from streamrl.produce import ServiceError, serve
+
+        try:
+            serve(args.run_dir, host=args.host, port=args.port, quiet=args.quiet)
+        except ServiceError as e:
+            raise UsageError(str(e)) from None
         return 0
     return _pool_cmd(args)
 

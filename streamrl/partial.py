@@ -19,6 +19,7 @@ from streamrl import spans as sp
 from streamrl.types import PartialRolloutPolicy, Sample, VersionSpan
 
 FINISHED = ("stop", "length")
+ENGINE_RETRIES = 30  # consecutive failed calls for one response before the sample is marked failed
 
 
 @dataclass

@@ -290,7 +290,7 @@ class RewardHub:
             log.warning("reward %s failed (further failures are recorded on the samples only): %s", self.path, msg)
         return msg
 
-    def _convert(self, value: Any) -> Scored:
+    def convert(self, value: Any) -> Scored:
         """One return value -> Scored; a value that is not a finite reward becomes an error."""
         comps: dict[str, float] = {}
         if isinstance(value, dict):
@@ -322,7 +322,7 @@ class RewardHub:
             value = await self._call(self._kwargs(response=response, label=label, prompt=prompt, record=record))
         except Exception as e:  # noqa: BLE001 - a reward bug fails its sample, never the run
             return Scored(None, {}, self._error(e))
-        return self._convert(value)
+        return self.convert(value)
 
     async def _group(self, prompt: Any, label: Any, responses: list[str],
                      record: dict[str, Any] | None) -> list[Scored]:
@@ -340,7 +340,7 @@ class RewardHub:
                     "value per response")
             bad = self._bad(what)
             return [Scored(None, {}, bad.error) for _ in range(n)]
-        return [self._convert(v) for v in values]
+        return [self.convert(v) for v in values]
 
     async def score(self, prompt: Any, label: Any, responses: list[str],
                     record: dict[str, Any] | None = None) -> list[Scored]:

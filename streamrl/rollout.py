@@ -22,7 +22,7 @@ import aiohttp
 
 from connectors import sglang_api as api
 from connectors.sglang_client import EngineError, SGLangClient
-from streamrl import partial, staleness
+from streamrl import agent, partial, staleness
 from streamrl.data import PromptRecord, PromptSource
 from streamrl.filters import FilterHub
 from streamrl.recipe import Recipe
@@ -31,8 +31,6 @@ from streamrl.runlog import RunLog
 from streamrl.types import Admission, GroupAppended, SampleGroup, make_group_id, now_ns
 
 log = logging.getLogger("streamrl.rollout")
-
-ENGINE_RETRIES = 30  # consecutive failed calls for one response before the sample is marked failed
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
@@ -74,6 +72,12 @@ class RolloutWorker:
         self.client = SGLangClient(router_url, connect_retries=2)
         self.log = RunLog(recipe.run_dir, echo=False)
         self.rewards = RewardHub(recipe.reward.fn, recipe.reward.args)
+        self.env = agent.EnvHub(recipe.env.fn, recipe.env.args) if recipe.env else None
+        self.proxy: Any = None  # the OpenAI-compatible endpoint env episodes get (started by _resume)
+        if self.env is not None:
+            from transformers import AutoConfig
+
+            self.max_context = int(AutoConfig.from_pretrained(recipe.model.path).max_position_embeddings)
         self.filters = FilterHub(recipe.filters)
         ro = recipe.rollout
         self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
@@ -118,6 +122,8 @@ class RolloutWorker:
 
     async def close(self) -> None:
         await self.stop()
+        if self.proxy is not None:
+            await self.proxy.close()
         await self.client.close()
         self.pool.close()
 
@@ -185,14 +191,21 @@ class RolloutWorker:
         # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
         meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
                 "admitted_ns": admitted_ns}
+        if self.env is not None:
+            task = {"prompt": rec.prompt, "label": rec.label, "id": rec.prompt_id, "record": rec.record}
+            self._track(gid, self._run_env_group(gid, rec.prompt_id, meta, task))
+            return
         prompt_ids = encode_prompt(self.tokenizer, rec.prompt)
         trajs = [partial.Trajectory(prompt=prompt_ids, max_new_tokens=self.r.rollout.max_new_tokens)
                  for _ in range(self.r.rollout.n_samples)]
         self._launch(gid, rec.prompt_id, meta, trajs)
 
     def _launch(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
+        self._track(gid, self._run_group(gid, prompt_id, meta, trajs))
+
+    def _track(self, gid: str, coro: Any) -> None:
         self.started += 1
-        task = asyncio.create_task(self._run_group(gid, prompt_id, meta, trajs), name=gid)
+        task = asyncio.create_task(coro, name=gid)
         self.inflight[gid] = task
         task.add_done_callback(lambda _t: (self.inflight.pop(gid, None), self._wake.set()))
 
@@ -204,6 +217,11 @@ class RolloutWorker:
         if getattr(self, "_resumed", False):
             return
         self._resumed = True
+        if self.env is not None:
+            from streamrl.openai_proxy import OpenAIProxy
+
+            self.proxy = OpenAIProxy()
+            await self.proxy.start()
         known = self.pool.producer_groups(self.producer_id)
         self._known = set(known)
         self.started = sum(1 for st, _ in known.values() if st not in (None, "partial", "dropped", "failed"))
@@ -224,25 +242,72 @@ class RolloutWorker:
             await self._generate(gid, trajs, meta, prompt_id, state)
             if state["saving"] is not None:
                 await state["saving"]
-            group = await self._finish(gid, prompt_id, meta, trajs)
-            await self.pool.append_async([group])
-            self.log.event(GroupAppended(group_ids=[gid], status=group.status, producer_id=self.producer_id,
-                                         at=now_ns()))
-            if group.status == "complete":
-                self._accepted += 1
-                self._failed_in_a_row = 0
-                self.stats["groups_complete"] += 1
-            else:
-                self.started -= 1  # a dropped or failed group does not use up staleness capacity
-                self.stats[f"groups_{group.status}"] += 1
-                if group.status == "failed":
-                    self._failed_in_a_row += 1
-                    self._last_failure = group.drop_reason
+            await self._store(await self._finish(gid, prompt_id, meta, trajs))
         except Exception as e:  # noqa: BLE001 - one broken group must not stop the worker
-            log.exception("group %s failed; it stays in flight in the ledger", gid)
-            self.stats["group_errors"] += 1
-            self._failed_in_a_row += 1
-            self._last_failure = f"{type(e).__name__}: {e}"
+            self._group_error(gid, e)
+
+    async def _run_env_group(self, gid: str, prompt_id: str, meta: dict[str, Any], task: dict[str, Any]) -> None:
+        """The recipe's environment runs each sample's episode (streamrl/agent.py); episodes are
+        not saved as partial: an environment's state cannot be stored, so a crash restarts the group."""
+        try:
+            eps = [agent.Episode(self.client, self.tokenizer, sampling=self.sampling,
+                                 max_new_tokens=self.r.rollout.max_new_tokens, max_context=self.max_context,
+                                 policy=self.policy, retries=partial.ENGINE_RETRIES) for _ in range(self.r.rollout.n_samples)]
+            keys = [self.proxy.open(ep) for ep in eps]
+            try:
+                outs = await asyncio.gather(*(self.env.run({**task, "sample": i}, ep) for i, ep in enumerate(eps)))
+            finally:
+                for k in keys:
+                    self.proxy.close_session(k)
+            for ep in eps:
+                self.stats["gen_tokens"] += ep.stats["gen_tokens"]
+                self.stats["interrupted_calls"] += ep.stats["interruptions"]
+                self.stats["engine_errors"] += ep.stats["engine_errors"]
+            prompt, samples = agent.to_samples(eps)
+            await self._score_episodes(meta, samples, outs, eps)
+            await self._store(self._group(gid, prompt_id, prompt, samples, meta))
+        except Exception as e:  # noqa: BLE001 - one broken group must not stop the worker
+            self._group_error(gid, e)
+
+    async def _score_episodes(self, meta: dict[str, Any], samples: list[Any], outs: list[tuple[Any, str | None]],
+                              eps: list[agent.Episode]) -> None:
+        """An environment's number or {"reward": ...} is the reward; a string is an answer and
+        None means its last turn: both are scored by reward.fn against the label."""
+        answers = {i: out if isinstance(out, str) else (eps[i].turns[-1] if eps[i].turns else "")
+                   for i, (out, err) in enumerate(outs)
+                   if err is None and not samples[i].failed and (out is None or isinstance(out, str))}
+        scored = dict(zip(answers, await self.rewards.score(meta.get("prompt"), meta.get("label"),
+                                                            list(answers.values()), meta)))
+        for i, (s, (out, err)) in enumerate(zip(samples, outs)):
+            if s.failed:
+                s.error = err or s.error  # the environment's own error says more than "no model turn"
+                continue
+            sc = scored.get(i) or (None if err else self.rewards.convert(out))
+            s.reward, s.rewards = (None, {}) if sc is None or sc.reward is None else (sc.reward, dict(sc.components))
+            s.error = err or (sc.error if sc else None)
+            s.failed = s.error is not None
+        self.stats["failed_samples"] += sum(s.failed for s in samples)
+
+    async def _store(self, group: SampleGroup) -> None:
+        await self.pool.append_async([group])
+        self.log.event(GroupAppended(group_ids=[group.group_id], status=group.status, producer_id=self.producer_id,
+                                     at=now_ns()))
+        if group.status == "complete":
+            self._accepted += 1
+            self._failed_in_a_row = 0
+            self.stats["groups_complete"] += 1
+        else:
+            self.started -= 1  # a dropped or failed group does not use up staleness capacity
+            self.stats[f"groups_{group.status}"] += 1
+            if group.status == "failed":
+                self._failed_in_a_row += 1
+                self._last_failure = group.drop_reason
+
+    def _group_error(self, gid: str, e: Exception) -> None:
+        log.exception("group %s failed; it stays in flight in the ledger", gid)
+        self.stats["group_errors"] += 1
+        self._failed_in_a_row += 1
+        self._last_failure = f"{type(e).__name__}: {e}"
 
     def _check_failing(self) -> None:
         """Every sample of many groups in a row failed (engines unreachable, a reward function that
@@ -285,7 +350,7 @@ class RolloutWorker:
                 state["saving"] = asyncio.create_task(self._save_partial(gid, prompt_id, meta, trajs, state))
             if failed:
                 failures += 1
-                if failures >= ENGINE_RETRIES:
+                if failures >= partial.ENGINE_RETRIES:
                     for t in trajs:
                         if not t.done:
                             t.error = f"generation failed {failures} times in a row: {error}"
@@ -317,7 +382,11 @@ class RolloutWorker:
             if s.failed:
                 self.stats["failed_samples"] += 1
             samples.append(s)
-        group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=trajs[0].prompt, samples=samples,
+        return self._group(gid, prompt_id, trajs[0].prompt, samples, meta)
+
+    def _group(self, gid: str, prompt_id: str, prompt: list[int], samples: list[Any], meta: dict[str, Any]) -> SampleGroup:
+        """The finished group: failed when every sample failed, dropped when a filter says so."""
+        group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=prompt, samples=samples,
                             producer_id=self.producer_id, metadata=meta, created_at=meta.get("admitted_ns", 0))
         if all(s.failed for s in samples):
             group.status, group.drop_reason = "failed", samples[0].error

@@ -51,11 +51,13 @@ def teacher_response(rng: random.Random, answer: str, accuracy: float) -> str:
 
 
 def write_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: int = 128, n_sft: int = 6000,
-               teacher_accuracy: float = 0.3, **difficulty: Any) -> dict[str, Path]:
+               teacher_accuracy: float = 0.3, chat: bool = False, **difficulty: Any) -> dict[str, Path]:
     """Write train.jsonl ({"id", "prompt", "label"}: RL prompts), eval.jsonl (same keys,
     held out) and sft.jsonl ({"id", "prompt", "response"}: noisy-teacher answers) under
     `out_dir`; all prompts distinct, so the three sets are disjoint. Deterministic for a seed.
-    `difficulty` goes to `arithmetic_problem` (a_max, b_max, ops). Returns {"train", "eval", "sft"} paths."""
+    `difficulty` goes to `arithmetic_problem` (a_max, b_max, ops). `chat=True` writes each prompt as
+    one user message (`[{"role": "user", "content": "397+8="}]`), rendered with the chat template,
+    for chat agents (recipes/openai_agent.yaml). Returns {"train", "eval", "sft"} paths."""
     want = n_train + n_eval + n_sft
     rng = random.Random(seed)
     answers: dict[str, str] = {}
@@ -67,17 +69,18 @@ def write_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: 
     if len(answers) < want:
         raise ValueError(f"could not draw {want} distinct problems with {difficulty or 'the defaults'}")
     prompts = list(answers)  # insertion order: deterministic
+    shown = (lambda p: [{"role": "user", "content": p}]) if chat else (lambda p: p)
     ev, sft, train = prompts[:n_eval], prompts[n_eval:n_eval + n_sft], prompts[n_eval + n_sft:]
     teacher = random.Random(f"teacher-{seed}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return {
         "train": _write_jsonl(out / "train.jsonl",
-                              [{"id": f"train-{i}", "prompt": p, "label": answers[p]} for i, p in enumerate(train)]),
+                              [{"id": f"train-{i}", "prompt": shown(p), "label": answers[p]} for i, p in enumerate(train)]),
         "eval": _write_jsonl(out / "eval.jsonl",
-                             [{"id": f"eval-{i}", "prompt": p, "label": answers[p]} for i, p in enumerate(ev)]),
+                             [{"id": f"eval-{i}", "prompt": shown(p), "label": answers[p]} for i, p in enumerate(ev)]),
         "sft": _write_jsonl(out / "sft.jsonl",
-                            [{"id": f"sft-{i}", "prompt": p,
+                            [{"id": f"sft-{i}", "prompt": shown(p),
                               "response": teacher_response(teacher, answers[p], teacher_accuracy)}
                              for i, p in enumerate(sft)]),
     }
