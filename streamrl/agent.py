@@ -72,15 +72,15 @@ def chat_delta(tokenizer: Any, history: list[dict[str, Any]] | None, reply_ids: 
         return _render(tokenizer, messages, True, tools)
     reply = tokenizer.decode(reply_ids, skip_special_tokens=True)
     expected = [*history, {"role": "assistant", "content": reply}]
-    if len(messages) <= len(expected):
-        raise EpisodeError(f"the conversation has {len(messages)} messages; a new turn must add at least one "
-                           f"message after the {len(expected)} of the previous turn and its reply")
     for i, (want, got) in enumerate(zip(expected, messages)):
         if got.get("role") != want.get("role") or _content(got) != _content(want):
             raise EpisodeError(
                 f"message {i} ({got.get('role')!r}: {_content(got)[:60]!r}) differs from the one this episode "
                 f"generated or was sent ({want.get('role')!r}: {_content(want)[:60]!r}); a trained conversation "
                 "must send earlier messages back unchanged (token-in/token-out: the model's own tokens are kept)")
+    if len(messages) <= len(expected):
+        raise EpisodeError(f"the conversation has {len(messages)} messages; a new turn must add at least one "
+                           f"message after the {len(expected)} of the previous turn and its reply")
     before = _render(tokenizer, history, True, tools)
     generated = before + tokenizer.decode(reply_ids, skip_special_tokens=False)
     closed = _render(tokenizer, expected, False, tools)
