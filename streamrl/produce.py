@@ -42,6 +42,7 @@ TOKEN_FILE, INFO_FILE, LOCK_FILE, LOG_FILE = "producer_token", "producer.json", 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 RETRY_AFTER_S = 0.5  # a 429's advice: the bound moves when the learner publishes a version
 VERSION_POLL_S = 0.1
+PUBLISH_GRACE_S = 5.0  # how long a group one version ahead waits for that version's publish to be logged
 SHA_CACHE = 65536  # content hashes kept in memory; older duplicates are checked against the pool
 
 
@@ -118,15 +119,15 @@ class VersionTail:
 class ProducerService:
     def __init__(self, run_dir: Path, recipe: Recipe, quiet: bool = False) -> None:
         from pools import LancePool
-        from streamrl.rollout import capacity_shares
         from streamrl.runtime import max_staleness_of
+        from streamrl.staleness import capacity_shares
 
         self.dir, self.r, self.quiet = run_dir, recipe, quiet
         api = recipe.producer_api
         self.token = read_token(run_dir).encode()
         self.vocab_size, self.max_tokens = model_limits(recipe)
         self.eta, self.gps, self.n = max_staleness_of(recipe), recipe.rollout.groups_per_step, recipe.rollout.n_samples
-        self.shares, self.share_index = capacity_shares(recipe), recipe.rollout.workers
+        self.shares, self.share_index = capacity_shares(recipe.rollout.workers, True), recipe.rollout.workers
         self.max_body = int(api.max_body_mb * 2**20)
         self.tail = VersionTail(run_dir / "events.jsonl")
         self.tail.poll()
@@ -326,6 +327,14 @@ class ProducerService:
         self.counters["duplicates"] += 1
         return web.json_response({"stored": False, "duplicate": True, "group_id": gid})
 
+    async def _await_publish(self, version: int | None) -> None:
+        """Engines serve a version a moment before the broadcaster logs it as published (and this
+        service reads the log every VERSION_POLL_S): a group one version ahead may come from a
+        publish in progress, so wait briefly for the log before calling its version from the future."""
+        deadline = time.monotonic() + PUBLISH_GRACE_S
+        while version is not None and version == self.tail.poll() + 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
     async def _store(self, sub: intake.Submission, sha: str, readmit: str | None) -> web.Response:
         """`readmit`: the producer of a group admitted but never stored (the service died between the
         two commits): its rows are written now, under its first admission and lease slot."""
@@ -335,8 +344,9 @@ class ProducerService:
             try:
                 lease = self.leases.check(sub.lease_id, now)
             except intake.LeaseError as e:
-                raise Refused(409, "lease", str(e)) from None
+                raise Refused(409, "lease", str(e), lease_error=True) from None
         producer_id = readmit or lease.producer_id  # type: ignore[union-attr]
+        await self._await_publish(g.max_version)
         reason = intake.check_group(g, producer_id=producer_id, n_samples=self.n, vocab_size=self.vocab_size,
                                     max_tokens=self.max_tokens, published_version=self.version)
         if reason is not None:
@@ -424,9 +434,6 @@ def open_service(run_dir: str | Path, quiet: bool = False) -> ProducerService:
     if not r.producer_api.enabled:
         raise ServiceError(f"{d / 'recipe.yaml'}: producer_api.enabled is false, so the run reserves no admission "
                            "capacity for external producers; start the run with producer_api.enabled=true")
-    if r.run.mode != "stream":
-        raise ServiceError(f"{d / 'recipe.yaml'}: run.mode is {r.run.mode!r}; external producers feed streaming "
-                           "runs only (run.mode=stream)")
     return ProducerService(d, r, quiet)
 
 

@@ -155,6 +155,12 @@ class ProducerClient:
         lease_id = lease if isinstance(lease, str) else lease.lease_id
         body = to_msgpack(intake.Submission(lease_id=lease_id, group=group))
         status, out = await self._call("POST", "/v1/groups", data=body, content_type="application/msgpack")
+        if status == 409 and out.get("error", {}).get("lease_error") and not isinstance(lease, str):
+            # The lease expired or the service restarted (leases live in its memory): the work is
+            # done, so take a new slot (waiting for the bound like any lease) and submit again.
+            fresh = await self.lease(1)
+            lease.lease_id, lease.version, lease.slots, lease.used = fresh.lease_id, fresh.version, fresh.slots, 0
+            return await self.submit(group, lease)
         if status != 200:
             raise self._raise(status, out)
         if out.get("stored") and not isinstance(lease, str):

@@ -149,7 +149,7 @@ class ProducerApiCfg(_Cfg):
     host: str = "127.0.0.1"  # another address exposes it beyond this machine (bearer token still required)
     port: NonNegInt = 0  # 0 = any free port; the URL is written to RUN_DIR/producer.json
     max_body_mb: PosFloat = 16.0  # larger submissions are refused with 413
-    lease_s: PosFloat = 600.0  # a lease's unused slots return to the capacity after this long
+    lease_s: PosFloat = 120.0  # a lease's unused slots return to the capacity after this long (a dead producer's too)
 
 
 class PoolCfg(_Cfg):
@@ -396,7 +396,21 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
             resolve_fn(fn)
         except ValueError as e:
             raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {e}") from None
+    for key, problem in _conflicts(recipe):
+        raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {problem}")
     return recipe
+
+
+def _conflicts(r: Recipe) -> list[tuple[str, str]]:
+    """(key path, problem) for settings that are valid alone but not together."""
+    out = []
+    if r.rollout.workers == 0 and not r.producer_api.enabled:
+        out.append(("rollout.workers", "is 0 and producer_api.enabled is false, so nothing would produce groups; "
+                                       "set rollout.workers >= 1 or enable producer_api"))
+    if r.producer_api.enabled and r.run.mode != "stream":
+        out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
+                                            "the other modes generate each batch with the rollout workers"))
+    return out
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

@@ -45,12 +45,6 @@ def decode_response(tokenizer: Any, tokens: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def capacity_shares(r: Recipe) -> int:
-    """Admission capacity is split between the rollout workers and, with producer_api enabled,
-    the external producers (the last share)."""
-    return r.rollout.workers + (1 if r.producer_api.enabled else 0)
-
-
 class RolloutWorker:
     def __init__(self, recipe: Recipe, router_url: str, index: int = 0, num_workers: int = 1,
                  version: int = 0, data_state: dict | None = None) -> None:
@@ -106,7 +100,7 @@ class RolloutWorker:
     def capacity(self) -> int:
         """This worker's share of the admission capacity."""
         total = staleness.admission_capacity(self.version, self.max_staleness, self.r.rollout.groups_per_step)
-        return staleness.capacity_share(total, self.index, capacity_shares(self.r))
+        return staleness.capacity_share(total, self.index, staleness.capacity_shares(self.r.rollout.workers, self.r.producer_api.enabled))
 
     def report(self) -> dict[str, Any]:
         return {"producer": self.producer_id, "version": self.version, "started": self.started,

@@ -91,7 +91,7 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
 RECIPE = "recipe.yaml"  # the run's resolved recipe, which `--resume` and `streamrl replay` read
 # What a resumed run must keep: which prompt instances exist and who owns them, and the policy the checkpoints hold.
 FIXED_ON_RESUME = ("model", "sft", "data.path", "data.shuffle", "data.seed", "rollout.workers", "rollout.n_samples",
-                   "rollout.groups_per_step", "pool")
+                   "rollout.groups_per_step", "pool", "producer_api.enabled")
 
 
 def _get(r: Recipe, dotted: str) -> Any:

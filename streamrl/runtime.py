@@ -8,6 +8,7 @@ are made of (`generate`, `train_step`, `publish`, `evaluate`, `checkpoint`).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import time
@@ -107,6 +108,7 @@ class Runtime:
             raise RunFailed(str(e)) from None
         self.log = RunLog(self.dir, echo=progress, mirror=mirror)
         self.bg_eval: Any = None  # streamrl.background_eval.BackgroundEval with run.eval_mode background
+        self.producer_proc: Any = None  # `streamrl produce serve` with producer_api.enabled
         self.interrupted = False  # Ctrl-C: stop without waiting for in-flight groups
         self.progress = progress
         self.eta = max_staleness_of(recipe)
@@ -195,6 +197,20 @@ class Runtime:
         await asyncio.gather(*(w.ready.remote() for w in self.workers))
         for w in self.workers:
             await w.set_version.remote(self.version, self.eta)
+        if r.producer_api.enabled:
+            await self._start_producer_service()
+
+    async def _start_producer_service(self) -> None:
+        """`streamrl produce serve RUN_DIR` as a child process: it reads the published version from
+        events.jsonl and hands producers the router's URL from endpoints.json."""
+        from streamrl.produce import start_service_process
+        from streamrl.staleness import capacity_shares
+
+        (self.dir / "endpoints.json").write_text(json.dumps({"router_url": self.router.url}))
+        self.producer_proc, url = await asyncio.to_thread(
+            start_service_process, self.dir, os.getcwd(), self.dir / "logs" / "producer.log")
+        self.log.info(f"producer API at {url} (bearer token in {self.dir / 'producer_token'}); external producers "
+                      f"hold {1 if self.r.rollout.workers else 'all'} of {capacity_shares(self.r.rollout.workers, True)} admission shares")
 
     async def _restore(self) -> list[dict[str, Any]] | None:
         """Resume: load the newest checkpoint, then train the steps that came after it again on
@@ -242,6 +258,10 @@ class Runtime:
 
         if self.bg_eval is not None:
             await self.bg_eval.stop()
+        if self.producer_proc is not None:
+            from streamrl.produce import stop_service_process
+
+            await asyncio.to_thread(stop_service_process, self.producer_proc)
 
         for w in [] if self.interrupted else self.workers:  # interrupted: killed below, groups in flight restart on resume
             try:
@@ -293,6 +313,7 @@ class Runtime:
     async def train_step(self, step: int, streams: list[Any] | None = None) -> dict[str, Any]:
         """Claim a batch and train on it; the learner's version moves to step + 1."""
         task = asyncio.ensure_future(self.learner.train_step.remote(step, self.eta, 5.0))
+        waited = time.perf_counter()
         while True:  # poll, so a worker that ran out of prompts or died ends the run with a reason
             m = await task
             if m is not None:
@@ -300,6 +321,10 @@ class Runtime:
             for s in streams or []:
                 if _done(s):
                     await _worker_result(s)  # a worker that stopped with an error ends the run with that error
+            if not streams and time.perf_counter() - waited > 30:  # only external producers feed this run
+                waited = time.perf_counter()
+                self.log.info(f"step {step}: waiting for external producers to submit groups "
+                              f"({self.dir / 'producer.json'} has the URL)")
             if streams and all(_done(s) for s in streams):
                 reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
                 raise RunFailed(f"step {step}: no batch of {self.r.rollout.groups_per_step} groups can be formed and "

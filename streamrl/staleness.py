@@ -29,6 +29,12 @@ def capacity_share(total: int, index: int, shares: int) -> int:
     return total // shares + (1 if index < total % shares else 0)
 
 
+def capacity_shares(workers: int, external: bool) -> int:
+    """Admission capacity is split between the rollout workers and, when external producers are
+    enabled (producer_api), one more share for them: the last one, index `workers`."""
+    return workers + (1 if external else 0)
+
+
 def may_start(started_groups: int, learner_version: int, max_staleness: int, groups_per_step: int) -> bool:
     """True while one more group may start (counting it, `started_groups + 1` stays within capacity)."""
     return started_groups + 1 <= admission_capacity(learner_version, max_staleness, groups_per_step)

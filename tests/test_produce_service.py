@@ -192,8 +192,8 @@ async def _lease(svc: Service, n: int = 1, producer: str = "env") -> str:
 
 def test_groups_the_rules_refuse_are_422_with_the_reason(svc: Service):
     svc.make_room(3)
-    future = group(101, version=svc.version + 1)
-    with pytest.raises(ProducerError, match=f"version {svc.version + 1} is from the future: the run has published "
+    future = group(101, version=svc.version + 2)
+    with pytest.raises(ProducerError, match=f"version {svc.version + 2} is from the future: the run has published "
                                             f"version {svc.version}") as e:
         run(_submit_one(svc, future))
     assert e.value.status == 422
@@ -228,6 +228,19 @@ def test_lease_errors_are_409(svc: Service):
     assert run(_submit_with(svc, group(111), lease))["stored"] is True
     with pytest.raises(ProducerError, match="has used all of its 1 slots"):
         run(_submit_with(svc, group(112), lease))
+
+    async def with_sdk_lease() -> tuple[str, Any, dict[str, Any]]:
+        async with svc.client() as c:
+            held = await c.lease(1, wait=False)
+            assert (await c.submit(group(113), held))["stored"] is True
+            first = held.lease_id
+            out = await c.submit(group(114), held)  # used up: the SDK takes a new lease and submits again
+            return first, held, out
+
+    svc.make_room(2)
+
+    first, held, out = run(with_sdk_lease())
+    assert out["stored"] is True and held.lease_id != first and held.used == 1
 
 
 async def _submit_with(svc: Service, g, lease_id: str) -> dict[str, Any]:
@@ -395,7 +408,7 @@ def test_refuses_runs_without_producer_api_or_not_streaming(tmp_path: Path):
     recipe["run"]["mode"] = "lockstep"
     (tmp_path / "run" / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     res = _serve_cli(tmp_path)
-    assert res.returncode == 2 and "run.mode is 'lockstep'" in res.stderr, res.stderr
+    assert res.returncode == 2 and "need run.mode: stream (got 'lockstep')" in res.stderr, res.stderr
 
 
 @pytest.mark.filterwarnings("ignore:lance is not fork-safe")  # this process opened the pool, then starts the service
@@ -499,3 +512,18 @@ def test_a_failed_pool_write_is_retried_without_a_second_admission(tmp_path: Pat
         assert (svc.started, svc.stored) == (1, 1)
     finally:
         svc.close()
+
+
+def test_a_group_one_version_ahead_waits_for_the_publish_in_progress(svc: Service):
+    """Engines serve version v+1 a moment before the run logs it as published: such a group is held
+    until the log says so (here 0.5 s later), not refused as coming from the future."""
+    import threading
+
+    svc.make_room(1)
+    ahead = group(130, version=svc.version + 1)
+    later = threading.Timer(0.5, svc.publish, args=(svc.version + 1,))
+    later.start()
+    t0 = time.monotonic()
+    out = run(_submit_one(svc, ahead))
+    later.join()
+    assert out["stored"] is True and time.monotonic() - t0 >= 0.4

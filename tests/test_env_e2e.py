@@ -1,0 +1,58 @@
+"""Agent environments in real runs (Ray, router, engines, megatron learner, LanceDB): the
+openai-only calculator agent trained in stream mode, the native calculator environment in
+lockstep and one-step-off, each with a different partial-rollout policy. The pool must hold the
+exact conversations: model tokens trained (mask 1, real log-probs), tool tokens masked (0)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamkit import (assert_ledger_balanced, check_step_metrics, pool_groups, read_metrics, run_recipe,
+                       task_data, tiny_model, write_recipe)  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+def _recipe(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path], mode: str, fn: str, policy: str) -> Path:
+    return write_recipe(tmp_path, tiny_model, task_data["train"], {
+        "run.mode": mode, "run.steps": STEPS, "env": {"fn": fn, "args": {"turns": 2}},
+        "reward": None, "staleness.partial_rollout": policy, "rollout.max_new_tokens": 4})
+
+
+@pytest.mark.parametrize("mode, fn, policy", [
+    ("stream", "recipes.envs.calculator:solve_openai", "in_place"),
+    ("lockstep", "recipes.envs.calculator:solve", "restart"),
+    ("one_step_off", "recipes.envs.calculator:solve", "abort_resume"),
+])
+def test_env_runs_store_exact_conversations(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
+                                            mode: str, fn: str, policy: str) -> None:
+    from transformers import AutoTokenizer
+
+    run_dir = tmp_path / "run"
+    run_recipe(_recipe(tmp_path, tiny_model, task_data, mode, fn, policy), run_dir)
+    check_step_metrics(read_metrics(run_dir), STEPS)
+    stats = assert_ledger_balanced(run_dir)
+    assert stats["groups_by_status"].get("consumed", 0) >= STEPS * 2
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    groups = pool_groups(run_dir, "status = 'consumed'")
+    chat = fn.endswith("openai")
+    for g in groups:
+        first = tok.decode(g.prompt_tokens, skip_special_tokens=False)
+        assert first.endswith("<|im_start|>assistant\n" if chat else "="), first
+        for s in g.samples:
+            assert not s.failed, s.error
+            masked = tok.decode(s.response_tokens[s.loss_mask == 0].tolist(), skip_special_tokens=False)
+            trained = s.response_tokens[s.loss_mask == 1]
+            # one tool observation "<total>+<d>=" between the two model turns, never trained
+            assert masked.count("+") == 1 and masked.endswith("<|im_start|>assistant\n" if chat else "="), masked
+            if chat:
+                assert "<|im_start|>tool\n" in masked
+            assert len(trained) >= 2 and (s.rollout_logprobs[s.loss_mask == 1] < 0).all()
+            assert (s.rollout_logprobs[s.loss_mask == 0] == 0).all()
+            assert s.metadata["turns"] == 2 and 0.0 <= s.reward <= 1.0 and "right_turns" in s.rewards
+            assert s.spans[0].start == 0 and s.spans[-1].end == s.num_tokens
+    metrics = read_metrics(run_dir)
+    assert all(m["loss"] is not None for m in metrics)
