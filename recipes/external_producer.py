@@ -68,6 +68,8 @@ async def produce(run_dir: Path, producer_id: str, data: str | None, turns: int,
                 await client.submit(group, lease)
                 counts["stored"] += 1
             except ProducerError as e:
+                if e.status == 0:  # unreachable: the run is over (or its service died)
+                    raise
                 counts["refused"] += 1
                 print(f"{producer_id}: {gid} refused: {e}", file=sys.stderr)
 

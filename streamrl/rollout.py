@@ -9,6 +9,10 @@ Every engine call's tokens, log-probs and version spans are folded into a `Traje
 died) is resubmitted as prompt + tokens so far, and the group is saved to the pool as
 `partial` meanwhile, so a crash loses no generated token. A reward function that raises marks
 that sample failed; a filter drops the group with its reason; both release the admission slot.
+
+With a recipe `env`, each sample is an episode of the user's environment function instead
+(streamrl/agent.py): multi-turn, token-in/token-out, with an OpenAI-compatible endpoint
+(streamrl/openai_proxy.py) for agents that only speak that API.
 """
 
 from __future__ import annotations

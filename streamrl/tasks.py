@@ -51,13 +51,18 @@ def teacher_response(rng: random.Random, answer: str, accuracy: float) -> str:
 
 
 def write_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: int = 128, n_sft: int = 6000,
-               teacher_accuracy: float = 0.3, chat: bool = False, **difficulty: Any) -> dict[str, Path]:
+               teacher_accuracy: float = 0.3, chat: bool = False, chain_turns: int = 1,
+               **difficulty: Any) -> dict[str, Path]:
     """Write train.jsonl ({"id", "prompt", "label"}: RL prompts), eval.jsonl (same keys,
     held out) and sft.jsonl ({"id", "prompt", "response"}: noisy-teacher answers) under
     `out_dir`; all prompts distinct, so the three sets are disjoint. Deterministic for a seed.
     `difficulty` goes to `arithmetic_problem` (a_max, b_max, ops). `chat=True` writes each prompt as
     one user message (`[{"role": "user", "content": "397+8="}]`), rendered with the chat template,
-    for chat agents (recipes/openai_agent.yaml). Returns {"train", "eval", "sft"} paths."""
+    for chat agents (recipes/openai_agent.yaml). `chain_turns > 1` makes SFT rows for the multi-turn
+    calculator environment (recipes/envs/calculator.py): row i continues its problem for
+    i % chain_turns more turns, each previous answer the teacher's and each next problem the exact
+    running total plus a digit, so the warm-started model has seen a problem after earlier turns.
+    Returns {"train", "eval", "sft"} paths."""
     want = n_train + n_eval + n_sft
     rng = random.Random(seed)
     answers: dict[str, str] = {}
@@ -80,10 +85,28 @@ def write_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: 
         "eval": _write_jsonl(out / "eval.jsonl",
                              [{"id": f"eval-{i}", "prompt": shown(p), "label": answers[p]} for i, p in enumerate(ev)]),
         "sft": _write_jsonl(out / "sft.jsonl",
-                            [{"id": f"sft-{i}", "prompt": shown(p),
-                              "response": teacher_response(teacher, answers[p], teacher_accuracy)}
+                            [{"id": f"sft-{i}", **_sft_turns(teacher, p, int(answers[p]), i % chain_turns, chat,
+                                                             teacher_accuracy)}
                              for i, p in enumerate(sft)]),
     }
+
+
+def _sft_turns(rng: random.Random, prompt: str, value: int, turns_before: int, chat: bool,
+               accuracy: float) -> dict[str, Any]:
+    """One SFT row whose problem comes after `turns_before` earlier turns of a calculator chain:
+    {"prompt": context, "response": the teacher's answer to the last problem}."""
+    messages: list[dict[str, str]] = [{"role": "user", "content": prompt}]
+    for _ in range(turns_before):
+        d = rng.randint(0, 9)
+        messages += [{"role": "assistant", "content": teacher_response(rng, str(value), accuracy)},
+                     {"role": "tool", "content": f"{value}+{d}="}]
+        value += d
+    response = teacher_response(rng, str(value), accuracy)
+    if chat:
+        return {"prompt": messages, "response": response}
+    # Bare text, as the environment builds it: each answer ends with the end-of-turn token.
+    text = "".join(m["content"] + ("<|im_end|>" if m["role"] == "assistant" else "") for m in messages)
+    return {"prompt": text, "response": response}
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -200,3 +200,30 @@ def test_read_records_for_eval_sets(tmp_path: Path):
     recs, skipped = read_records(p, on_error="skip")
     assert [(r.index, r.line, r.label) for r in recs] == [(0, 2, "1"), (1, 3, "2"), (2, 4, "3")]
     assert len(skipped) == 1 and skipped[0].startswith(f"{p}:1: missing key 'prompt'")
+
+
+def test_write_task_chain_rows_continue_problems_with_exact_totals(tmp_path):
+    """tasks.write_task(chain_turns=3): SFT rows after earlier turns, each next problem the exact
+    running total plus a digit; chain_turns=1 writes the same files as before the option existed."""
+    import re
+
+    from streamrl.tasks import write_task
+
+    plain = write_task(tmp_path / "a", seed=3, n_train=20, n_eval=4, n_sft=30)
+    again = write_task(tmp_path / "b", seed=3, n_train=20, n_eval=4, n_sft=30, chain_turns=1)
+    assert all(plain[k].read_text() == again[k].read_text() for k in plain)
+    text = write_task(tmp_path / "c", seed=3, n_train=20, n_eval=4, n_sft=30, chain_turns=3)
+    chat = write_task(tmp_path / "d", seed=3, n_train=20, n_eval=4, n_sft=30, chain_turns=3, chat=True)
+    rows = [json.loads(x) for x in text["sft"].read_text().splitlines()]
+    for i, row in enumerate(rows):
+        turns = row["prompt"].split("<|im_end|>")
+        assert len(turns) == 1 + i % 3
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=.*", turns[0]).groups())
+        total = a + b
+        for t in turns[1:]:
+            shown, d = map(int, re.fullmatch(r"(\d+)\+(\d)=.*", t).groups())
+            assert shown == total  # the calculator's total is exact whatever the teacher answered
+            total += d
+    messages = [json.loads(x)["prompt"] for x in chat["sft"].read_text().splitlines()]
+    assert [len(m) for m in messages[:3]] == [1, 3, 5] and messages[2][3]["role"] == "assistant"
+    assert messages[1][2] == {"role": "tool", "content": rows[1]["prompt"].split("<|im_end|>")[1]}
