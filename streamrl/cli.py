@@ -388,9 +388,23 @@ def _print_group(g: Any, tok: Any) -> None:
     for s in g.samples:
         spans = " ".join(f"v{sp.version}[{sp.start}:{sp.end})" for sp in s.spans)
         err = f"  FAILED: {s.error}" if s.failed else ""
+        masked = int((s.loss_mask == 0).sum())
+        note = f" masked={masked} (shown in [[...]])" if masked else ""
         print(f"  [{s.index}] reward={s.reward} finish={s.finish_reason or '-'} tokens={s.num_tokens} "
-              f"spans={spans}{err}")
-        print(f"      {text(s.response_tokens)!r}")
+              f"spans={spans}{note}{err}")
+        print(f"      {_masked_text(s, text)!r}")
+
+
+def _masked_text(s: Any, text: Any) -> str:
+    """The response with the runs the loss ignores (tool output, stale tokens) in [[...]]."""
+    out, start = [], 0
+    mask = s.loss_mask.tolist()
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            part = text(s.response_tokens[start:i])
+            out.append(part if mask[start] else f"[[{part}]]")
+            start = i
+    return "".join(out)
 
 
 if __name__ == "__main__":

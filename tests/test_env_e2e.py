@@ -28,7 +28,7 @@ def _recipe(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path], mode: 
     ("one_step_off", "recipes.envs.calculator:solve", "abort_resume"),
 ])
 def test_env_runs_store_exact_conversations(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
-                                            mode: str, fn: str, policy: str) -> None:
+                                            mode: str, fn: str, policy: str, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import AutoTokenizer
 
     run_dir = tmp_path / "run"
@@ -56,3 +56,9 @@ def test_env_runs_store_exact_conversations(tmp_path: Path, tiny_model: Path, ta
             assert s.spans[0].start == 0 and s.spans[-1].end == s.num_tokens
     metrics = read_metrics(run_dir)
     assert all(m["loss"] is not None for m in metrics)
+    from streamrl.cli import main
+
+    capsys.readouterr()
+    assert main(["pool", "show", str(run_dir), groups[0].group_id]) == 0
+    shown = capsys.readouterr().out
+    assert "masked=" in shown and "[[" in shown, shown  # the tool's tokens are marked as not trained
