@@ -160,12 +160,14 @@ class MegatronLearner:
         if self.dp > 1:
             for g in grads:
                 dist.all_reduce(g, group=self.dp_group)  # losses are pre-weighted: a sum is the full-batch grad
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
+        # On the parameters' device: NCCL reduces device tensors only, and one sync at the end
+        # beats a host copy per parameter.
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.params:
             if p.grad is None:
                 continue
-            sq = p.grad.double().pow(2).sum().cpu()
+            sq = p.grad.double().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
@@ -228,7 +230,7 @@ class MegatronLearner:
             return x
         import torch.distributed as dist
 
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM, group=self.dp_group)
         return float(t)
 
@@ -255,17 +257,17 @@ class MegatronLearner:
             mask = b.resp_mask * b.scatter([s.loss_mask if s.loss_mask is not None else [1] * len(s.response)
                                             for s in mb])
             old = b.scatter(prox[k: k + n])
-            adv = alg.tokens_from_samples(torch.tensor([s.advantage for s in mb]), b.resp_mask)
+            adv = alg.tokens_from_samples(torch.tensor([s.advantage for s in mb], device=self.device), b.resp_mask)
             weight = None
             if cfg.off_policy != "none":
                 behav = b.scatter([s.rollout_logprobs for s in mb])  # type: ignore[misc]
                 weight = alg.importance_weight(old, behav, cfg.tis_cap) * b.resp_mask
-            groups = torch.tensor([s.group for s in mb])
+            groups = torch.tensor([s.group for s in mb], device=self.device)
             logp, ent = self._forward(self.model, b, cfg.temperature, with_entropy=True)
             pg, pst = alg.policy_loss(logp, old, adv, mask, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip,
                                       weight, cfg.loss_agg, groups)  # type: ignore[arg-type]
             loss = pg
-            kl = torch.zeros(())
+            kl = torch.zeros((), device=self.device)
             if ref is not None:
                 kl = alg.aggregate(alg.kl_penalty(logp, b.scatter(ref[k: k + n]), cfg.kl_estimator),  # type: ignore[arg-type]
                                    mask, cfg.loss_agg, groups)  # type: ignore[arg-type]

@@ -77,5 +77,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tup
 
 
 def hf_state_dict(model: Any, bridge: Any) -> dict[str, torch.Tensor]:
-    """The model's weights under HF names (gathered across tensor parallel ranks)."""
-    return {name: t.detach().cpu() for name, t in bridge.export_weights([model])}
+    """The model's weights under HF names (gathered across tensor parallel ranks). Without grad:
+    mbridge broadcasts the parameters themselves, an in-place op autograd refuses on a leaf that
+    requires grad whenever the backend copies (gloo with CUDA tensors)."""
+    with torch.no_grad():
+        return {name: t.detach().cpu() for name, t in bridge.export_weights([model])}

@@ -28,14 +28,15 @@ SCRIPT = textwrap.dedent("""
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         ids = torch.randint(0, hf.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
         pos = torch.arange(20).expand(3, 20)
+        dev = next(model.parameters()).device  # cuda when there is a GPU (the learner's own placement)
         with torch.no_grad():
-            logits = model(ids, pos, torch.ones(1, 1, 20, 20, dtype=torch.bool).triu(1))
+            logits = model(ids.to(dev), pos.to(dev), torch.ones(1, 1, 20, 20, dtype=torch.bool).triu(1).to(dev)).cpu()
             ref = hf(ids).logits
         exported, hf_sd = hf_state_dict(model, bridge), hf.state_dict()
         tied = hf.config.tie_word_embeddings
         out[d] = {"logit_diff": (logits - ref).abs().max().item(),
                   "missing": sorted(set(hf_sd) - set(exported) - ({"lm_head.weight"} if tied else set())),
-                  "weight_diff": max((exported[k] - hf_sd[k]).abs().max().item() for k in exported)}
+                  "weight_diff": max((exported[k].cpu() - hf_sd[k]).abs().max().item() for k in exported)}
     print(json.dumps(out))
 """)
 
@@ -91,8 +92,10 @@ LOGPROB_SCRIPT = textwrap.dedent("""
     done.sort(key=lambda r: int(r.rid))
     model, _ = load_model(sys.argv[2])
     b = TokenBatch([(r.input_ids, r.output_ids) for r in done])
+    on = TokenBatch([(r.input_ids, r.output_ids) for r in done]).to(next(model.parameters()).device)
     with torch.no_grad():
-        logp, ent = logprobs_and_entropy(model(b.ids, b.positions, b.attn_mask), b.ids, float(sys.argv[3]))
+        logp, ent = (t.cpu() for t in logprobs_and_entropy(model(on.ids, on.positions, on.attn_mask), on.ids,
+                                                           float(sys.argv[3])))
     diff = max((got - torch.tensor(r.logprobs)).abs().max().item() for got, r in zip(b.response_values(logp), done))
     ratio = torch.exp(logp - b.scatter([r.logprobs for r in done]))[b.resp_mask.bool()]
     print(json.dumps({"diff": diff, "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
