@@ -24,6 +24,11 @@ class EngineError(Exception):
         self.url, self.status, self.message = url, status, message
 
 
+# A call that failed this way produced nothing usable (the engine died, restarted or refused):
+# callers resubmit from what they have.
+ENGINE_FAILURES: tuple[type[BaseException], ...] = (EngineError, aiohttp.ClientError, asyncio.TimeoutError)
+
+
 class FinishReason(msgspec.Struct, kw_only=True):
     type: str
     length: int | None = None
@@ -187,7 +192,7 @@ class SGLangClient:
         try:
             await self.request("GET", "/health", retries=0)
             return True
-        except (aiohttp.ClientError, EngineError, asyncio.TimeoutError):
+        except ENGINE_FAILURES:
             return False
 
     async def model_info(self) -> Any:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from connectors import sglang_api as api
+from connectors.sglang_client import ENGINE_FAILURES
 from streamrl import partial
 from streamrl.types import Sample, VersionSpan
 
@@ -135,9 +136,7 @@ class Episode:
             try:
                 r = await self.client.generate(partial.next_request(t)[0],
                                                api.SamplingParams(**self.sampling, max_new_tokens=t.remaining))
-            except Exception as e:  # noqa: BLE001 - the engine died or was restarted: resubmit what we have
-                if not _engine_failure(e):
-                    raise
+            except ENGINE_FAILURES as e:  # the engine died or was restarted: resubmit what we have
                 failures += 1
                 self.stats["engine_errors"] += 1
                 if failures >= self.retries:
@@ -189,14 +188,6 @@ class Episode:
         self.mask += mask
         self.logprobs += list(map(float, lps))
         self.versions += versions
-
-
-def _engine_failure(e: BaseException) -> bool:
-    import aiohttp
-
-    from connectors.sglang_client import EngineError
-
-    return isinstance(e, (EngineError, aiohttp.ClientError, asyncio.TimeoutError))
 
 
 def to_samples(episodes: list[Episode]) -> tuple[list[int], list[Sample]]:

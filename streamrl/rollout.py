@@ -22,10 +22,8 @@ import logging
 from collections import Counter
 from typing import Any
 
-import aiohttp
-
 from connectors import sglang_api as api
-from connectors.sglang_client import EngineError, SGLangClient
+from connectors.sglang_client import ENGINE_FAILURES, SGLangClient
 from streamrl import agent, partial, staleness
 from streamrl.data import PromptRecord, PromptSource
 from streamrl.filters import FilterHub
@@ -104,7 +102,8 @@ class RolloutWorker:
     def capacity(self) -> int:
         """This worker's share of the admission capacity."""
         total = staleness.admission_capacity(self.version, self.max_staleness, self.r.rollout.groups_per_step)
-        return staleness.capacity_share(total, self.index, staleness.capacity_shares(self.r.rollout.workers, self.r.producer_api.enabled))
+        shares = staleness.capacity_shares(self.r.rollout.workers, self.r.producer_api.enabled)
+        return staleness.capacity_share(total, self.index, shares)
 
     def report(self) -> dict[str, Any]:
         return {"producer": self.producer_id, "version": self.version, "started": self.started,
@@ -331,7 +330,7 @@ class RolloutWorker:
                 api.SamplingParams(**self.sampling, max_new_tokens=budget)) for budget, idx in by_budget.items()]
             aborted = failed = False
             for idx, res in zip(by_budget.values(), await asyncio.gather(*calls, return_exceptions=True)):
-                if isinstance(res, (EngineError, aiohttp.ClientError, asyncio.TimeoutError)):
+                if isinstance(res, ENGINE_FAILURES):
                     # Nothing came back from this call (e.g. its engine died): resubmit from what we have.
                     failed, error = True, f"{type(res).__name__}: {res}"
                     self.stats["engine_errors"] += 1
