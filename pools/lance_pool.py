@@ -374,18 +374,9 @@ class LancePool:
         firsts = firsts.filter(whole)
         order = pc.sort_indices(firsts, [("created_ns_min", "ascending"), ("group_id", "ascending")])
         firsts = firsts.take(order)
-        take, mask, drop = [], set(), []
-        for gid, minv in zip(firsts["group_id"].to_pylist(), firsts["min_version_min"].to_pylist()):
-            if len(take) == num_groups:
-                break
-            decision = staleness.decide(learner_version, minv if minv is not None else learner_version,
-                                        max_staleness, policy)
-            if decision == "drop":
-                drop.append(gid)
-            else:
-                take.append(gid)
-                if decision == "mask":
-                    mask.add(gid)
+        take, mask, drop = staleness.select_groups(
+            zip(firsts["group_id"].to_pylist(), firsts["min_version_min"].to_pylist()),
+            learner_version, num_groups, max_staleness, policy)
         t = now_ns()
         if drop:
             _retry_conflicts(lambda: self._pool.update(

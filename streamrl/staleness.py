@@ -5,7 +5,7 @@ Pure functions (no Ray, HTTP or clock) shared by the runtime, the pool and the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -50,6 +50,28 @@ def decide(learner_version: int, min_token_version: int, max_staleness: int, pol
     if staleness(learner_version, min_token_version) <= max_staleness or policy == "keep":
         return "take"
     return "drop" if policy == "drop" else "mask"
+
+
+def select_groups(candidates: Iterable[tuple[str, int | None]], learner_version: int, num_groups: int,
+                  max_staleness: int, policy: ConsumptionPolicy) -> tuple[list[str], set[str], list[str]]:
+    """Which complete groups a claim trains on. `candidates` are (group id, oldest token version)
+    in claim order (oldest started first); the first `num_groups` the policy takes are taken, the
+    ones before them it drops are dropped. Returns (take, the taken ones to mask, drop); fewer
+    than `num_groups` taken means the batch is not ready (the drops still stand)."""
+    take: list[str] = []
+    mask: set[str] = set()
+    drop: list[str] = []
+    for gid, minv in candidates:
+        if len(take) == num_groups:
+            break
+        decision = decide(learner_version, learner_version if minv is None else minv, max_staleness, policy)
+        if decision == "drop":
+            drop.append(gid)
+        else:
+            take.append(gid)
+            if decision == "mask":
+                mask.add(gid)
+    return take, mask, drop
 
 
 def stale_token_mask(spans: Sequence[VersionSpan], learner_version: int, max_staleness: int) -> np.ndarray:

@@ -222,6 +222,23 @@ def test_decide_and_mask_agree(learner, eta):
         assert d == "mask" and not mask.all()
 
 
+def test_select_groups_takes_the_oldest_within_the_bound():
+    cands = [("a", 1), ("b", 4), ("c", 2), ("d", 5), ("e", 5)]  # claim order, oldest token version
+    take, mask, drop = staleness.select_groups(cands, learner_version=5, num_groups=2, max_staleness=2,
+                                               policy="drop")
+    assert take == ["b", "d"] and drop == ["a", "c"] and mask == set()  # "e" is not looked at
+    take, mask, drop = staleness.select_groups(cands, 5, 2, 2, "mask")
+    assert take == ["a", "b"] and mask == {"a"} and drop == []
+    take, mask, drop = staleness.select_groups(cands, 5, 3, 2, "keep")
+    assert take == ["a", "b", "c"] and mask == set() and drop == []
+
+
+def test_select_groups_not_enough_keeps_the_drops():
+    take, mask, drop = staleness.select_groups([("a", 0), ("b", 3), ("c", None)], 3, 5, 1, "drop")
+    assert take == ["b", "c"] and drop == ["a"]  # None (no token yet) counts as current
+    assert staleness.select_groups([], 3, 1, 1, "drop") == ([], set(), [])
+
+
 # ================================================================ ledger
 
 
