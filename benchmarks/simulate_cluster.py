@@ -1,0 +1,352 @@
+#!/usr/bin/env python
+"""Cluster-scale throughput of lockstep, one-step-off and streaming, simulated.
+
+    .venv/bin/python benchmarks/simulate_cluster.py [--quick] [--gpus 8,64,512] [--out-dir DIR]
+    .venv/bin/python benchmarks/simulate_cluster.py --sweep          # + which parameters drive the speedup
+    .venv/bin/python benchmarks/simulate_cluster.py --calibrate MEASURED.json  # vs stream_vs_lockstep.py
+
+A discrete-event simulation in virtual time (benchmarks/clustersim.py) that runs StreamRL's own
+admission control, claim/consumption policy, partial-rollout transitions and ledger against
+modelled engines, learner and weight broadcast. Defaults model a 7B dense model in bf16 on H100s:
+
+  engine      one GPU (tp 1); a decode iteration takes 8 ms + 0.04 ms per running request
+              (14k output tokens/s at the cap of 256 running requests); prefill 40k tokens/s
+  learner     engine GPUs / 2 GPUs (a third of the cluster); 7k tokens/s per GPU for
+              forward + backward + log-prob recompute over prompt + response; 1 s per step fixed
+  broadcast   15.2 GB at 25 GB/s + 0.5 s; engines are paused while it runs (stream)
+  workload    512 prompts x 16 samples per step (AReaL's batch); prompts 256 tokens; responses
+              lognormal, median 1000 tokens, sigma 1.0, capped at 8192 (long-tailed: mean ~1.5k,
+              p99 ~8k); --lengths FILE takes an empirical histogram instead
+  consumption policy `drop`, 4 rollout workers, lengths counted in 16-token blocks
+
+Modes: lockstep, one_step_off, stream at max_staleness (eta) 1, 2, 4, 8 with partial rollout
+(`abort_resume`: interrupted responses continue on the new weights) and without (`restart`: they
+are generated again), and `lockstep_colocated`: lockstep on all engine + learner GPUs, each
+phase using all of them (+5 s per step to swap engine and trainer memory) — the synchronous
+baseline AReaL and verl report their speedups against.
+
+Figures per mode and cluster size (JSON on stdout and in --out-dir, plus a PNG):
+  samples_per_s        consumed samples per second after the warm-up steps (throughput)
+  train_tokens_per_s   the same in tokens (restart favours short responses, so compare both)
+  speedup              samples_per_s / lockstep's samples_per_s at the same size
+  speedup_tokens       the same for train_tokens_per_s
+  response_tokens_mean mean length of the responses trained on (restart biases it down)
+  engine_utilisation   output tokens per engine-second / the engine's peak (256 running requests)
+  engine_busy          fraction of engine time decoding or prefilling (not idle, not paused)
+  learner_utilisation  fraction of wall time the learner trains
+  staleness_mean/max   learner version - oldest token version of each consumed group
+  wasted_token_fraction tokens generated but never trained on (restarted or dropped as stale)
+  ledger               the real ledger over the simulated pool: lost and duplicated must be 0
+
+`--calibrate` models the CPU quick-start (one embedded engine, learner on its own core), fits
+the one unknown (engine time per request outside decoding) to the measured lockstep step,
+then predicts one-step-off and stream and compares them with the measured speedups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks.clustersim import Cluster, Lengths, Workload, simulate  # noqa: E402
+
+COLOCATE_SWITCH_S = 5.0
+
+
+def scenarios() -> list[tuple[str, dict[str, Any]]]:
+    """(label, workload changes) for every mode compared."""
+    out: list[tuple[str, dict[str, Any]]] = [
+        ("lockstep", {"mode": "lockstep", "max_staleness": 0}),
+        ("lockstep_colocated", {"mode": "lockstep", "max_staleness": 0}),
+        ("one_step_off", {"mode": "one_step_off", "max_staleness": 1}),
+    ]
+    for eta in (1, 2, 4, 8):
+        for pr in ("abort_resume", "restart"):
+            out.append((f"stream_eta{eta}_{pr}", {"mode": "stream", "max_staleness": eta, "partial_rollout": pr}))
+    return out
+
+
+def colocated(c: Cluster) -> Cluster:
+    """Every GPU generates, then every GPU trains; weights move within each GPU."""
+    gpus = c.engines + c.learner_gpus
+    return dataclasses.replace(c, engines=gpus, learner_gpus=gpus,
+                               learner_step_overhead_s=c.learner_step_overhead_s + COLOCATE_SWITCH_S,
+                               broadcast_bytes_per_s=c.broadcast_bytes_per_s * 4)
+
+
+def cluster_for(gpus: int, overrides: dict[str, Any]) -> Cluster:
+    return dataclasses.replace(Cluster(engines=gpus, learner_gpus=max(1, gpus // 2)), **overrides)
+
+
+def run_size(gpus: int, base: Workload, cover: dict[str, Any], only: set[str] | None) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for label, change in scenarios():
+        if only and label not in only and label != "lockstep":
+            continue
+        c = cluster_for(gpus, cover)
+        if label == "lockstep_colocated":
+            c = colocated(c)
+        t0 = time.perf_counter()
+        r = simulate(c, dataclasses.replace(base, **change))
+        r["sim_s"] = time.perf_counter() - t0
+        r["speedup"] = r["samples_per_s"] / res["lockstep"]["samples_per_s"] if res else 1.0
+        r["speedup_tokens"] = r["train_tokens_per_s"] / res["lockstep"]["train_tokens_per_s"] if res else 1.0
+        led = r["ledger"]
+        if led["lost"] or led["duplicated"] or led["unadmitted"]:
+            raise SystemExit(f"{label} at {gpus} GPUs: the ledger does not balance: {led}")
+        res[label] = r
+        print(f"  {gpus:4d} GPUs {label:26s} {r['samples_per_s']:9.1f} samples/s  x{r['speedup']:.2f} "
+              f"(tokens x{r['speedup_tokens']:.2f})  "
+              f"engines {r['engine_utilisation']:.2f}  learner {r['learner_utilisation']:.2f}  "
+              f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']}  ({r['sim_s']:.1f}s)",
+              file=sys.stderr, flush=True)
+    return res
+
+
+def sweep(base: Workload, cover: dict[str, Any], gpus: int) -> list[dict[str, Any]]:
+    """Stream (eta 4, abort_resume) over lockstep while one parameter moves."""
+    cases: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = []
+    for s in (0.5, 1.0, 1.5):
+        cases.append(("length_sigma", s, {"lengths": dataclasses.replace(base.lengths, sigma=s)}, {}))
+    for m in (2048, 8192, 32768):
+        cases.append(("max_new_tokens", m, {"lengths": dataclasses.replace(base.lengths, max_new_tokens=m)}, {}))
+    for ratio in (0.25, 0.5, 1.0):
+        cases.append(("learner_gpus_per_engine_gpu", ratio, {}, {"learner_gpus": max(1, int(gpus * ratio))}))
+    for gps in (128, 512, 2048):
+        cases.append(("groups_per_step", gps, {"groups_per_step": gps}, {}))
+    for bw in (2.5e9, 25e9, 250e9):
+        cases.append(("broadcast_bytes_per_s", bw, {}, {"broadcast_bytes_per_s": bw}))
+    out = []
+    for name, value, wchange, cchange in cases:
+        w = dataclasses.replace(base, **wchange)
+        c = cluster_for(gpus, {**cover, **cchange})
+        lock = simulate(c, dataclasses.replace(w, mode="lockstep", max_staleness=0))
+        st = simulate(c, dataclasses.replace(w, mode="stream", max_staleness=4, partial_rollout="abort_resume"))
+        row = {"parameter": name, "value": value, "speedup": st["samples_per_s"] / lock["samples_per_s"],
+               "lockstep_engine_utilisation": lock["engine_utilisation"],
+               "stream_engine_utilisation": st["engine_utilisation"],
+               "stream_learner_utilisation": st["learner_utilisation"], "stream_staleness_mean": st["staleness_mean"]}
+        out.append(row)
+        print(f"  sweep {name}={value}: x{row['speedup']:.2f}", file=sys.stderr, flush=True)
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(result["sizes"])
+    labels = list(result["sizes"][sizes[0]])
+    figs = [("speedup", "samples/s ÷ lockstep"), ("engine_utilisation", "engine utilisation"),
+            ("learner_utilisation", "learner utilisation"), ("staleness_mean", "mean staleness (max: dot)")]
+    fig, axes = plt.subplots(len(figs), 1, figsize=(11, 3.2 * len(figs)), sharex=True)
+    width = 0.8 / len(sizes)
+    for ax, (key, title) in zip(axes, figs):
+        for k, size in enumerate(sizes):
+            xs = [i + (k - (len(sizes) - 1) / 2) * width for i in range(len(labels))]
+            vals = [result["sizes"][size][lab][key] for lab in labels]
+            ax.bar(xs, vals, width, label=f"{size} engine GPUs")
+            if key == "staleness_mean":
+                ax.plot(xs, [result["sizes"][size][lab]["staleness_max"] for lab in labels], "k.", ms=4)
+        ax.set_ylabel(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].legend(ncol=len(sizes), fontsize=8)
+    axes[-1].set_xticks(range(len(labels)))
+    axes[-1].set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
+    fig.suptitle("StreamRL cluster simulation (benchmarks/simulate_cluster.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def read_lengths(path: str, max_new_tokens: int) -> Lengths:
+    """A histogram file: JSON {"length": count, ...}, or one length per line (or `length count`)."""
+    text = Path(path).read_text()
+    counts: dict[int, int] = {}
+    try:
+        counts = {int(k): int(v) for k, v in json.loads(text).items()}
+    except (json.JSONDecodeError, AttributeError):
+        for lineno, line in enumerate(text.splitlines(), 1):
+            parts = line.split()
+            if not parts:
+                continue
+            try:
+                counts[int(parts[0])] = counts.get(int(parts[0]), 0) + (int(parts[1]) if len(parts) > 1 else 1)
+            except ValueError:
+                raise SystemExit(f"{path}:{lineno}: expected `length [count]`, got {line!r}") from None
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"{path}: needs at least one length >= 1")
+    vals = sorted(counts)
+    return Lengths(max_new_tokens, values=vals, counts=[counts[v] for v in vals])
+
+
+def parse_overrides(items: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """KEY=VALUE for Cluster or Workload fields (numbers)."""
+    cf = {f.name: f.type for f in dataclasses.fields(Cluster)}
+    wf = {f.name for f in dataclasses.fields(Workload)} - {"lengths", "mode"}
+    c, w = {}, {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or (key not in cf and key not in wf):
+            raise SystemExit(f"override {item!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(sorted(set(cf) | wf))}")
+        num: Any = float(val) if any(ch in val for ch in ".e") else int(val) if val.lstrip("-").isdigit() else val
+        (c if key in cf else w)[key] = num
+    return c, w
+
+
+def main_simulate(a: argparse.Namespace) -> None:
+    cover, wover = parse_overrides(a.overrides)
+    lengths = read_lengths(a.lengths, a.max_new_tokens) if a.lengths else \
+        Lengths(a.max_new_tokens, median=a.median, sigma=a.sigma)
+    steps = a.steps or (10 if a.quick else 24)
+    base = Workload(steps=steps, groups_per_step=128 if a.quick else 512, lengths=lengths,
+                    warmup_steps=max(1, steps // 4))
+    base = dataclasses.replace(base, **wover)
+    only = set(a.modes.split(",")) if a.modes else None
+    t0 = time.perf_counter()
+    sizes = {}
+    for g in [int(x) for x in a.gpus.split(",")]:
+        sizes[str(g)] = run_size(g, base, cover, only)
+    out: dict[str, Any] = {"benchmark": "simulate_cluster", "git": git_rev(), "quick": a.quick,
+                           "cluster": dataclasses.asdict(Cluster(**cover)),
+                           "workload": {**dataclasses.asdict(base), "mode": "(per scenario)"},
+                           "learner_gpus": "engine GPUs // 2 unless overridden",
+                           "sizes": sizes}
+    if a.sweep:
+        out["sweep_64"] = sweep(base, cover, 64)
+    out["elapsed_s"] = time.perf_counter() - t0
+    out["machine"] = machine(os.getloadavg()[0], ("numpy", "pyarrow"))
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot(out, out_dir / "simulate_cluster.png")
+    out["png"] = str(out_dir / "simulate_cluster.png")
+    emit(out, out_dir / "simulate_cluster.json")
+
+
+# ------------------------------------------------------------------ calibration against the CPU run
+
+
+def cpu_setup(measured: dict[str, Any], c1_tok_s: float, c64_tok_s: float, max_running: int
+              ) -> tuple[Cluster, Workload, dict[str, Any]]:
+    """The quick-start as stream_vs_lockstep.py ran it, from what that run measured."""
+    from pools.inspect import pool_query
+    from pools.lance_pool import LancePool
+    from streamrl.recipe import load_recipe
+
+    r = load_recipe(str(REPO / measured["recipe"]), measured.get("overrides", []))
+    run_dir = Path(measured["work_dir"]) / "lockstep"
+    pool = LancePool(run_dir / "pool", create=False)
+    hist = pool_query(pool, "SELECT len(response_tokens) AS n, count(*) AS c FROM pool "
+                            "WHERE status = 'consumed' GROUP BY 1 ORDER BY 1").to_pydict()
+    prompt = pool_query(pool, "SELECT avg(len(prompt_tokens)) AS p FROM pool").to_pydict()["p"][0]
+    pool.close()
+    lock = measured["modes"]["lockstep"]
+    # Two points of the engine's decode curve (engine_throughput.py, 64-token responses).
+    t1, t64 = 1 / c1_tok_s, 64 / c64_tok_s
+    per_seq = (t64 - t1) / 63
+    c = Cluster(engines=measured.get("engines", 1), decode_base_s=t1 - per_seq, decode_per_seq_s=per_seq,
+                prefill_tokens_per_s=1e12, max_running=max_running, learner_gpus=1,
+                learner_tokens_per_s_per_gpu=1e12,
+                learner_step_overhead_s=lock["learner_wait_s"] + lock["learner_train_s"],
+                model_bytes=0.0, broadcast_latency_s=lock["push_s"])
+    w = Workload(steps=measured["steps"], groups_per_step=r.rollout.groups_per_step, n_samples=r.rollout.n_samples,
+                 prompt_tokens=max(1, round(prompt)),
+                 lengths=Lengths(r.rollout.max_new_tokens, values=hist["n"], counts=hist["c"]),
+                 max_staleness=r.staleness.max_staleness, policy=r.staleness.policy,
+                 partial_rollout=r.staleness.partial_rollout, workers=r.rollout.workers,
+                 max_concurrency=r.rollout.max_concurrency, token_block=1, warmup_steps=0)
+    return c, w, {"response_length_histogram": dict(zip(hist["n"], hist["c"])), "prompt_tokens_mean": prompt}
+
+
+def fit_overhead(c: Cluster, w: Workload, target_step_s: float) -> float:
+    """Engine seconds per request (outside decoding) that make simulated lockstep take `target_step_s`."""
+    lo, hi = 0.0, 0.1
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        step = simulate(dataclasses.replace(c, request_overhead_s=mid), dataclasses.replace(w, mode="lockstep"))
+        if step["wall_s"] / w.steps < target_step_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def main_calibrate(a: argparse.Namespace) -> None:
+    measured = json.loads(Path(a.calibrate).read_text())
+    c, w, info = cpu_setup(measured, a.c1_tok_s, a.c64_tok_s, a.max_running)
+    per_step = {m: v["rl_wall_s"] / measured["steps"] for m, v in measured["modes"].items()}
+    overhead = fit_overhead(c, w, per_step["lockstep"])
+    c = dataclasses.replace(c, request_overhead_s=overhead)
+    rows, sim = [], {}
+    for mode in measured["modes"]:
+        sim[mode] = simulate(c, dataclasses.replace(w, mode=mode))
+    for mode in measured["modes"]:
+        s_step = sim[mode]["wall_s"] / w.steps
+        row = {"mode": mode, "measured_step_s": per_step[mode], "simulated_step_s": s_step}
+        if mode != "lockstep":
+            meas = per_step["lockstep"] / per_step[mode]
+            pred = (sim["lockstep"]["wall_s"] / w.steps) / s_step
+            row |= {"measured_speedup": meas, "simulated_speedup": pred, "error": pred / meas - 1}
+        # The same prediction with the learner step time this mode measured (the CPU contention
+        # of overlapping generation and training, which the model leaves out).
+        m = measured["modes"][mode]
+        c2 = dataclasses.replace(c, learner_step_overhead_s=m["learner_train_s"] + measured["modes"]["lockstep"]
+                                 ["learner_wait_s"], broadcast_latency_s=max(m["push_s"], m.get("pause_s", 0.0)))
+        row["simulated_step_s_with_measured_learner"] = simulate(c2, dataclasses.replace(w, mode=mode))["wall_s"] / w.steps
+        rows.append(row)
+        print(f"  {mode:14s} measured {per_step[mode]:.3f} s/step  simulated {s_step:.3f}"
+              + (f"  speedup {row['measured_speedup']:.2f} vs {row['simulated_speedup']:.2f} "
+                 f"({row['error']:+.0%})" if "error" in row else ""), file=sys.stderr)
+    out = {"benchmark": "simulate_cluster calibrate", "git": git_rev(), "measured": a.calibrate,
+           "measured_git": measured.get("git"), "fitted_request_overhead_s": overhead,
+           "cluster": dataclasses.asdict(c), "workload": {k: v for k, v in dataclasses.asdict(w).items()
+                                                          if k != "lengths"},
+           **info, "rows": rows, "simulated": sim}
+    emit(out, a.out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10 steps of 128 prompts x 16 (under a minute)")
+    ap.add_argument("--gpus", default="8,64,512", help="engine GPU counts to simulate")
+    ap.add_argument("--steps", type=int, help="learner steps per mode (default 24; --quick 10)")
+    ap.add_argument("--modes", help="comma-separated scenario labels (lockstep always runs)")
+    ap.add_argument("--lengths", help="empirical response-length histogram (JSON {len: count} or lines)")
+    ap.add_argument("--median", type=float, default=1000.0, help="lognormal median response length")
+    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (tail weight)")
+    ap.add_argument("--max-new-tokens", type=int, default=8192)
+    ap.add_argument("--sweep", action="store_true", help="also vary one parameter at a time at 64 GPUs")
+    ap.add_argument("--out-dir", default="runs/simulate_cluster", help="JSON and PNG go here")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="Cluster/Workload fields, e.g. learner_gpus=16 groups_per_step=1024")
+    cal = ap.add_argument_group("calibration against the CPU quick-start")
+    cal.add_argument("--calibrate", metavar="MEASURED.json",
+                     help="simulate the run stream_vs_lockstep.py measured (its JSON; its work_dir must still exist)")
+    cal.add_argument("--c1-tok-s", type=float, default=1055.0,
+                     help="engine output tokens/s at concurrency 1 (engine_throughput.py --quick)")
+    cal.add_argument("--c64-tok-s", type=float, default=7600.0, help="... at concurrency 64")
+    cal.add_argument("--max-running", type=int, default=64, help="the embedded engine's max_running")
+    cal.add_argument("--out", help="also write the calibration JSON here")
+    a = ap.parse_args()
+    if a.calibrate:
+        main_calibrate(a)
+    else:
+        main_simulate(a)
+
+
+if __name__ == "__main__":
+    main()

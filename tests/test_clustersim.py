@@ -1,0 +1,107 @@
+"""The cluster simulator: its engine model against hand-computed times, and StreamRL's rules
+(staleness bound, ledger, partial rollouts) holding in the runs it simulates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.clustersim import Cluster, Lengths, Workload, simulate
+from benchmarks.simulate_cluster import fit_overhead, read_lengths
+
+FIXED = Lengths(64, values=[40], counts=[1])  # every response 40 tokens
+TAIL = Lengths(2048, median=100, sigma=1.2)
+
+
+def _cluster(**kw) -> Cluster:
+    base = dict(engines=1, decode_base_s=0.01, decode_per_seq_s=0.001, prefill_tokens_per_s=10_000.0,
+                max_running=1000, learner_gpus=2, learner_tokens_per_s_per_gpu=1000.0,
+                learner_step_overhead_s=0.5, model_bytes=1e9, broadcast_bytes_per_s=1e9, broadcast_latency_s=0.25)
+    return Cluster(**(base | kw))
+
+
+def _work(**kw) -> Workload:
+    base = dict(mode="lockstep", steps=3, groups_per_step=2, n_samples=4, prompt_tokens=20, lengths=FIXED,
+                max_staleness=0, workers=1, token_block=1)
+    return Workload(**(base | kw))
+
+
+def test_lockstep_step_time_is_the_sum_of_its_phases():
+    c, w = _cluster(), _work()
+    r = simulate(c, w)
+    seqs = w.groups_per_step * w.n_samples
+    prefill = seqs * w.prompt_tokens / c.prefill_tokens_per_s
+    decode = 40 * (c.decode_base_s + c.decode_per_seq_s * seqs)
+    train = c.learner_step_overhead_s + seqs * (20 + 40) / (c.learner_gpus * c.learner_tokens_per_s_per_gpu)
+    push = c.broadcast_latency_s + c.model_bytes / c.broadcast_bytes_per_s
+    assert r["wall_s"] == pytest.approx(w.steps * (prefill + decode + train + push), rel=1e-9)
+    assert r["staleness_max"] == 0 and r["interrupted_calls"] == 0
+    assert r["ledger"] == {"admitted": 6, "in_flight": 0, "complete": 0, "consumed": 6, "dropped": 0, "lost": 0,
+                           "duplicated": 0, "unadmitted": 0}
+
+
+def test_max_running_queues_requests():
+    one = simulate(_cluster(max_running=8), _work(steps=1))["wall_s"]
+    half = simulate(_cluster(max_running=4), _work(steps=1))["wall_s"]
+    # Two waves of 4 instead of one of 8: decode iterations are cheaper but there are twice as many.
+    decode8, decode4 = 40 * (0.01 + 0.008), 2 * 40 * (0.01 + 0.004)
+    assert half - one == pytest.approx(decode4 - decode8, rel=1e-6)
+
+
+@pytest.mark.parametrize("eta", [1, 2, 4])
+@pytest.mark.parametrize("partial", ["abort_resume", "restart", "in_place"])
+def test_stream_keeps_the_bound_and_the_ledger(eta, partial):
+    w = _work(mode="stream", steps=12, groups_per_step=4, lengths=TAIL, max_staleness=eta, partial_rollout=partial,
+              workers=3, token_block=4)
+    r = simulate(_cluster(engines=4, learner_step_overhead_s=0.05), w)
+    led = r["ledger"]
+    assert r["staleness_max"] <= eta
+    assert led["lost"] == led["duplicated"] == led["unadmitted"] == 0
+    assert led["consumed"] == w.steps * w.groups_per_step
+    # Admission control: never more started than (V + eta + 1) * groups_per_step at the last version.
+    assert led["admitted"] <= (w.steps + eta + 1) * w.groups_per_step
+    assert (r["interrupted_calls"] == 0) == (partial == "in_place")
+
+
+def test_drop_policy_discards_groups_past_the_bound_and_keep_trains_them():
+    w = _work(mode="stream", steps=10, groups_per_step=4, lengths=TAIL, max_staleness=1, token_block=4)
+    c = _cluster(engines=2, learner_step_overhead_s=0.02)
+    drop = simulate(c, dataclasses.replace(w, policy="drop"))
+    keep = simulate(c, dataclasses.replace(w, policy="keep"))
+    assert drop["ledger"]["dropped"] > 0 and drop["staleness_max"] <= 1
+    assert keep["ledger"]["dropped"] == 0 and keep["staleness_max"] > 1
+
+
+def test_restart_wastes_tokens_abort_resume_keeps_them():
+    w = _work(mode="stream", steps=10, groups_per_step=4, lengths=TAIL, max_staleness=4, policy="keep", token_block=4)
+    c = _cluster(engines=2, learner_step_overhead_s=0.02)
+    assert simulate(c, dataclasses.replace(w, partial_rollout="abort_resume"))["wasted_token_fraction"] == 0
+    assert simulate(c, dataclasses.replace(w, partial_rollout="restart"))["wasted_token_fraction"] > 0.05
+
+
+def test_stream_overlaps_a_long_tail_that_lockstep_waits_for():
+    c = _cluster(engines=4, learner_step_overhead_s=1.0)
+    lock = simulate(c, _work(steps=8, groups_per_step=8, lengths=TAIL, token_block=4))
+    stream = simulate(c, _work(mode="stream", steps=8, groups_per_step=8, lengths=TAIL, max_staleness=2,
+                               token_block=4, warmup_steps=2))
+    assert stream["samples_per_s"] > 1.3 * lock["samples_per_s"]
+    assert stream["engine_busy"] > lock["engine_busy"]
+
+
+def test_fit_overhead_recovers_a_known_request_cost():
+    c, w = _cluster(), _work()
+    target = simulate(dataclasses.replace(c, request_overhead_s=0.003), w)["wall_s"] / w.steps
+    assert fit_overhead(c, w, target) == pytest.approx(0.003, rel=1e-4)
+
+
+def test_read_lengths(tmp_path):
+    p = tmp_path / "h.json"
+    p.write_text('{"3": 2, "10": 1}')
+    assert (read_lengths(str(p), 8).values, read_lengths(str(p), 8).counts) == ([3, 10], [2, 1])
+    p = tmp_path / "h.txt"
+    p.write_text("5\n7 3\n\n5\n")
+    assert (read_lengths(str(p), 8).values, read_lengths(str(p), 8).counts) == ([5, 7], [2, 3])
+    p.write_text("5\nseven\n")
+    with pytest.raises(SystemExit, match=r"h.txt:2: expected `length \[count\]`, got 'seven'"):
+        read_lengths(str(p), 8)
