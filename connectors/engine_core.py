@@ -140,9 +140,18 @@ class EngineCore:
         return self._paused
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: str | None) -> None:
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        """Copy `state` (a subset of the model's weights) into the model; checked whole first, so
+        a bad update changes nothing."""
+        own = self.model.state_dict()
+        unexpected = sorted(set(state) - set(own))
         if unexpected:
-            raise ValueError(f"unknown weight names: {sorted(unexpected)[:5]}")
+            raise ValueError(f"unknown weight names: {unexpected[:5]}")
+        wrong = [f"{k}: {tuple(t.shape)} for {tuple(own[k].shape)}" for k, t in state.items() if t.shape != own[k].shape]
+        if wrong:
+            raise ValueError(f"shape mismatch: {'; '.join(wrong[:5])}")
+        with torch.no_grad():
+            for k, t in state.items():
+                own[k].copy_(t)
         if version is not None:
             self.weight_version = version
 

@@ -28,6 +28,7 @@ _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refus
     "top_logprobs_num": 0, "token_ids_logprob": None, "return_entropy": False, "session_params": None,
     "background": False, "return_bytes": False,
 }
+TENSOR_FORMAT = "safetensors"  # the one load_format /update_weights_from_tensor takes (no pickle)
 _SP_UNSUPPORTED = {"stop": None, "n": 1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                    "repetition_penalty": 1.0}
 
@@ -79,6 +80,7 @@ class EngineServer:
         self.model_path = model_dir
         self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
         self._group: Any = None  # torch.distributed group for weight updates
+        self._recv_buf = torch.empty(0, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
         self.app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._errors])
         r = self.app.router
         r.add_post("/generate", self.generate)
@@ -92,6 +94,7 @@ class EngineServer:
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
@@ -317,8 +320,33 @@ class EngineServer:
         from connectors.weight_sync import receive
 
         # Receive outside the engine thread (generation goes on), then swap between steps.
-        state = await asyncio.get_running_loop().run_in_executor(
-            None, receive, self._group, req.names, req.dtypes, req.shapes)
+        try:
+            state = await asyncio.get_running_loop().run_in_executor(
+                None, receive, self._group, req.names, req.dtypes, req.shapes, req.load_format, self._recv_buf)
+        except ValueError as e:  # refused before anything was received
+            raise HTTPError(400, str(e)) from None
+        return await self._update(lambda: self.core.load_state_dict(state, None), req.abort_all_requests,
+                                  req.weight_version)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        req: api.UpdateFromTensorReq = await _decode(request, api.UpdateFromTensorReq)
+        if req.load_format != TENSOR_FORMAT:
+            raise HTTPError(400, f"load_format {req.load_format!r} is refused: SGLang's entries are pickled "
+                                 "tensors and this engine never unpickles what comes over the network; send "
+                                 f"load_format {TENSOR_FORMAT!r} with each entry a base64 safetensors blob")
+
+        def parse() -> dict[str, torch.Tensor]:
+            from safetensors.torch import load
+
+            state: dict[str, torch.Tensor] = {}
+            for blob in req.serialized_named_tensors:
+                state.update(load(blob))
+            return state
+
+        try:
+            state = await asyncio.get_running_loop().run_in_executor(None, parse)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type on a bad blob
+            raise HTTPError(400, f"serialized_named_tensors: not a safetensors blob ({type(e).__name__}: {e})") from None
         return await self._update(lambda: self.core.load_state_dict(state, None), req.abort_all_requests,
                                   req.weight_version)
 

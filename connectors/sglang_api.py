@@ -108,6 +108,18 @@ class UpdateFromDistributedReq(_Req):
     load_format: str | None = None
 
 
+class UpdateFromTensorReq(_Req):
+    """SGLang's fields; SGLang's entries are pickled tensors (base64 in JSON), which the embedded
+    engine refuses: it takes load_format "safetensors", each entry a safetensors blob (msgspec
+    reads and writes `bytes` as base64 in JSON)."""
+
+    serialized_named_tensors: list[bytes]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
 class UpdateWeightVersionReq(_Req):
     new_version: str
     abort_all_requests: bool = True

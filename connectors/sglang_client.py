@@ -8,7 +8,7 @@ only (a request that reached the server is never sent twice by us).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -177,9 +177,26 @@ class SGLangClient:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               weight_version: str | int | None = None,
-                                              group_name: str = "weight_update_group") -> Any:
+                                              group_name: str = "weight_update_group",
+                                              load_format: str | None = None) -> Any:
+        """`load_format`: None (one broadcast per tensor) or "flattened_bucket" (one for them all)."""
         return await self.json("POST", "/update_weights_from_distributed", api.UpdateFromDistributedReq(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, load_format=load_format,
+            weight_version=None if weight_version is None else str(weight_version)))
+
+    async def update_weights_from_tensor(self, named_tensors_or_blobs: Mapping[str, Any] | Sequence[bytes],
+                                         weight_version: str | int | None = None,
+                                         abort_all_requests: bool = False) -> Any:
+        """Embedded engine only: the tensors (a name -> tensor mapping, or safetensors blobs) as
+        load_format "safetensors". Real SGLang expects pickled tensors there; StreamRL sends none."""
+        if isinstance(named_tensors_or_blobs, Mapping):
+            from safetensors.torch import save
+
+            blobs = [save({k: v.contiguous() for k, v in named_tensors_or_blobs.items()})]
+        else:
+            blobs = list(named_tensors_or_blobs)
+        return await self.json("POST", "/update_weights_from_tensor", api.UpdateFromTensorReq(
+            serialized_named_tensors=blobs, load_format="safetensors", abort_all_requests=abort_all_requests,
             weight_version=None if weight_version is None else str(weight_version)))
 
     async def update_weight_version(self, new_version: str | int, abort_all_requests: bool = False) -> Any:

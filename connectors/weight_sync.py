@@ -1,6 +1,12 @@
 """Weight transfer over a torch.distributed process group of its own (gloo on CPU, NCCL on
 GPU), as SGLang's `/init_weights_update_group` + `/update_weights_from_distributed` do:
-the trainer is rank 0 and broadcasts each tensor; engine i joins as rank `rank_offset`.
+the trainer is rank 0 and broadcasts, engine i joins as rank `rank_offset`.
+
+Tensors travel in buckets: SGLang's `load_format="flattened_bucket"` (0.5.23,
+`FlattenedTensorBucket`), one broadcast of the tensors' bytes laid end to end in the order
+of `names`, instead of one broadcast per tensor (each costs a round of latency; the small
+model has 40+ tensors). One `/update_weights_from_distributed` request per bucket; buckets
+are capped in size because the receiver allocates a bucket's buffer whole.
 
 The group is built from a TCPStore directly, so neither side needs (or disturbs) a default
 process group.
@@ -8,11 +14,15 @@ process group.
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+BUCKET_FORMAT = "flattened_bucket"
+BUCKET_BYTES = 512 * 1024**2  # an engine holds one bucket next to its weights while receiving
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
            "int64": torch.int64, "int32": torch.int32}
@@ -20,6 +30,12 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str, dt: str) -> torch.dtype:
+    if dt not in _DTYPES:
+        raise ValueError(f"{name}: unsupported dtype {dt!r} (supported: {', '.join(_DTYPES)})")
+    return _DTYPES[dt]
 
 
 def _group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -50,20 +66,110 @@ def _from_rank0() -> Any:
     return opts
 
 
-def broadcast(group: Any, tensors: list[torch.Tensor]) -> None:
-    """Trainer side: send each tensor to every engine (same order as the names sent over HTTP)."""
+# ---------------------------------------------------------------- buckets
+
+
+def plan_buckets(dtypes: list[str], shapes: list[list[int]], max_bytes: int = BUCKET_BYTES) -> list[range]:
+    """Split tensors (in order) into buckets of at most `max_bytes` (a larger tensor travels
+    alone). A tensor whose byte offset would not be a multiple of its element size starts a
+    new bucket: SGLang's receiver refuses unaligned tensors."""
+    out: list[range] = []
+    start, size = 0, 0
+    for i, (dt, shape) in enumerate(zip(dtypes, shapes)):
+        item = _dtype(f"tensor {i}", dt).itemsize
+        n = math.prod(shape) * item
+        if i > start and (size + n > max_bytes or size % item):
+            out.append(range(start, i))
+            start, size = i, 0
+        size += n
+    if len(dtypes) > start:
+        out.append(range(start, len(dtypes)))
+    return out
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes end to end (uint8), as SGLang's FlattenedTensorBucket lays them out;
+    without a copy when they already lie so in one storage (`pack`)."""
+    t0 = tensors[0]
+    start, end = t0.data_ptr(), t0.data_ptr()
+    packed = True
     for t in tensors:
-        group.broadcast([t.contiguous()], _from_rank0()).wait()
+        if not t.is_contiguous() or t.data_ptr() != end or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr():
+            packed = False
+            break
+        end += t.numel() * t.element_size()
+    if packed:
+        offset = start - t0.untyped_storage().data_ptr()
+        return torch.empty(0, dtype=torch.uint8, device=t0.device).set_(t0.untyped_storage(), offset, (end - start,))
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
-def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Engine side: receive the tensors announced by `names/dtypes/shapes`."""
+def pack(state: dict[str, torch.Tensor], max_bytes: int = BUCKET_BYTES) -> dict[str, torch.Tensor]:
+    """A copy of `state` laid out as `broadcast` sends it (one buffer per bucket, the tensors
+    views into it), so the broadcast sends it without copying it again."""
+    names, tensors = list(state), list(state.values())
+    out: dict[str, torch.Tensor] = {}
+    for b in plan_buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], max_bytes):
+        part = [tensors[i] for i in b]
+        buf = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in part])
+        out |= unflatten(buf, names[b.start:b.stop], [dtype_name(t.dtype) for t in part], [list(t.shape) for t in part])
+    return out
+
+
+def unflatten(buf: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Views into `buf` (uint8) for each announced tensor; raises when the layout does not fit."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes: they must match")
+    layout, offset = [], 0
+    for name, dt, shape in zip(names, dtypes, shapes):
+        dtype = _dtype(name, dt)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{name}: negative dimension in shape {shape}")
+        if offset % dtype.itemsize:
+            raise ValueError(f"{name}: byte offset {offset} is not aligned to {dt} ({dtype.itemsize} bytes)")
+        n = math.prod(shape) * dtype.itemsize
+        layout.append((name, dtype, shape, offset, n))
+        offset += n
+    if offset != buf.numel():
+        raise ValueError(f"the bucket has {buf.numel()} bytes but names/dtypes/shapes describe {offset}")
+    return {name: buf[o: o + n].view(dtype).view(shape) for name, dtype, shape, o, n in layout}
+
+
+# ---------------------------------------------------------------- transfer
+
+
+def broadcast(group: Any, tensors: list[torch.Tensor], bucketed: bool = False,
+              max_bytes: int = BUCKET_BYTES) -> None:
+    """Trainer side: send the tensors to every engine, in the order of the names sent over HTTP:
+    one broadcast each (SGLang's default load_format) or, `bucketed`, one per `plan_buckets`
+    bucket (the receivers were sent load_format BUCKET_FORMAT). Sender and receivers must agree:
+    gloo aborts the process on a size mismatch."""
+    if not bucketed:
+        for t in tensors:
+            group.broadcast([t.contiguous()], _from_rank0()).wait()
+        return
+    for b in plan_buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], max_bytes):
+        group.broadcast([flatten([tensors[i] for i in b])], _from_rank0()).wait()
+
+
+def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
+            load_format: str | None = None, buf: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Engine side: receive the tensors announced by `names/dtypes/shapes`: one broadcast each,
+    or (load_format BUCKET_FORMAT) one broadcast of them all, into `buf` (uint8, resized to fit;
+    reusing one saves faulting in fresh pages on every update) or a new buffer. The tensors
+    returned are views into it: done with them before `buf` is used again."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if load_format == BUCKET_FORMAT:
+        total = sum(math.prod(s) * _dtype(n, d).itemsize for n, d, s in zip(names, dtypes, shapes))
+        buf = torch.empty(total, dtype=torch.uint8, device=device) if buf is None else buf.resize_(total)
+        views = unflatten(buf, names, dtypes, shapes)  # checks the layout before anything is received
+        group.broadcast([buf], _from_rank0()).wait()
+        return views
+    if load_format is not None:
+        raise ValueError(f"load_format {load_format!r} is not supported (None or {BUCKET_FORMAT!r})")
     out = {}
     for name, dt, shape in zip(names, dtypes, shapes):
-        if dt not in _DTYPES:
-            raise ValueError(f"{name}: unsupported dtype {dt!r}")
-        t = torch.empty(shape, dtype=_DTYPES[dt], device=device)
+        t = torch.empty(shape, dtype=_dtype(name, dt), device=device)
         group.broadcast([t], _from_rank0()).wait()
         out[name] = t
     return out

@@ -2,12 +2,14 @@
 
 Paths (recipe `engines.weight_sync`):
 - `distributed`: a torch.distributed group of its own (gloo on CPU, NCCL on GPU); the learner is
-  rank 0 and broadcasts each tensor while every engine receives it through SGLang's
-  `/update_weights_from_distributed`. The group is re-formed when the set of engines changes
+  rank 0 and broadcasts the weights in buckets (connectors/weight_sync.py) while every engine
+  receives them through SGLang's `/update_weights_from_distributed` (load_format
+  "flattened_bucket", one request per bucket). The group is re-formed when the set of engines changes
   (an engine restarted); a push that fails falls back to disk for that version.
 - `disk`: the learner writes HF safetensors, engines load them (`/update_weights_from_disk`).
 (SGLang's `/update_weights_from_tensor` carries pickled tensors; StreamRL sends no pickle over
-the network, so that path is not offered.)
+the network, so that path is not offered. The embedded engine takes it with safetensors blobs
+instead: benchmarks/broadcast.py measures it.)
 
 In-flight generations follow the partial-rollout policy: `abort_resume`/`restart` pause the
 engines in `abort` mode (requests return what they have; the rollout worker resubmits them),
@@ -44,6 +46,7 @@ class VersionBroadcaster:
         self._meta: Any = None
         self.version = 0
         self.history: list[dict[str, Any]] = []
+        self.bucketed = True  # distributed: weight_sync's buckets (SGLang's flattened_bucket)
 
     async def _ensure_group(self) -> None:
         urls = tuple(sorted(self.router.workers))
@@ -67,12 +70,23 @@ class VersionBroadcaster:
         return torch.cuda.is_available()
 
     async def _push_distributed(self, version: int) -> None:
+        from connectors.weight_sync import BUCKET_FORMAT, plan_buckets
+
         await self._ensure_group()
         names, dtypes, shapes = self._meta
-        await asyncio.gather(self.learner.push_weights.remote(), *(
-            c.update_weights_from_distributed(names, dtypes, shapes, weight_version=version,
-                                              group_name=self._group_name)
-            for u, c in self.router.workers.items()))
+        # One request per bucket, in the order the learner broadcasts them; the version is set
+        # with the last one. bucketed=False: SGLang's default, one broadcast per tensor.
+        parts = plan_buckets(dtypes, shapes) if self.bucketed else [range(len(names))]
+
+        async def engine(c: Any) -> None:
+            for k, b in enumerate(parts):
+                await c.update_weights_from_distributed(
+                    names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop],
+                    weight_version=version if k == len(parts) - 1 else None, group_name=self._group_name,
+                    load_format=BUCKET_FORMAT if self.bucketed else None)
+
+        await asyncio.gather(self.learner.push_weights.remote(self.bucketed),
+                             *(engine(c) for c in self.router.workers.values()))
 
     async def push_disk(self, version: int,
                         clients: dict[str, Any] | None = None) -> tuple[str, dict[str, BaseException]]:

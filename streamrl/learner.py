@@ -72,7 +72,54 @@ def batch_metrics(batch: Batch, rewards: list[float]) -> dict[str, Any]:
             "samples": batch.num_samples}
 
 
-class LearnerDriver:
+class WeightSource:
+    """The learner's side of weight sync over `hf_state_dict()`: the disk export, the weight
+    group and the broadcast. LearnerDriver is one; benchmarks/broadcast.py holds fixed weights."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = str(model_dir)
+        self._group: Any = None
+        self._pinned: dict[int, dict[str, torch.Tensor]] = {}  # versions a background evaluation will export
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def export(self, out_dir: str, version: int | None = None) -> str:
+        """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model),
+        or of the pinned `version` (background evaluation: later steps may have trained meanwhile)."""
+        from connectors.mcore_checkpoint import export_hf
+
+        if version is None:
+            return str(export_hf(self, self.model_dir, out_dir))
+        if version not in self._pinned:
+            raise KeyError(f"version {version} was not kept for export (kept: {sorted(self._pinned)})")
+        return str(export_hf(_Weights(self._pinned.pop(version)), self.model_dir, out_dir))
+
+    def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
+        from connectors.weight_sync import dtype_name
+
+        state = self.hf_state_dict()
+        return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
+
+    def init_weight_group(self, host: str, port: int, world_size: int, group_name: str) -> None:
+        from connectors.weight_sync import create_group
+
+        self._group = create_group(host, port, world_size, group_name,
+                                   backend="nccl" if torch.cuda.is_available() else "gloo")
+
+    def drop_weight_group(self) -> None:
+        self._group = None
+
+    def push_weights(self, bucketed: bool = False) -> None:
+        """Broadcast the weights to the engines (rank 0 of the weight group), in buckets or
+        (`bucketed=False`) one tensor at a time: as the engines were told (weight_sync)."""
+        from connectors.weight_sync import broadcast
+
+        assert self._group is not None, "init_weight_group first"
+        broadcast(self._group, list(self.hf_state_dict().values()), bucketed=bucketed)
+
+
+class LearnerDriver(WeightSource):
     def __init__(self, recipe: Recipe, model_dir: str, port: int = 0, pool: bool = True) -> None:
         """`port`: of the learner's own torch.distributed store; 0 picks a free one here (a port
         chosen in another process may be taken by the time this one binds it)."""
@@ -83,8 +130,9 @@ class LearnerDriver:
             os.sched_setaffinity(0, recipe.learner.cpus)
         torch.set_num_threads(recipe.learner.threads)
         init_single_process(port or free_port(), recipe.run.seed)
+        super().__init__(model_dir)
         lc = recipe.learner
-        self.r, self.model_dir = recipe, str(model_dir)
+        self.r = recipe
         self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
                                        micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0)
         self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature)
@@ -94,11 +142,9 @@ class LearnerDriver:
 
             self.pool = LancePool(recipe.pool_uri, commit_linger_ms=recipe.pool.commit_linger_ms,
                                   compact_every=recipe.pool.compact_every)
-        self._group = None
         # The weights engines get are a copy taken right after each step, so they can be pushed
         # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._pinned: dict[int, dict[str, torch.Tensor]] = {}  # versions a background evaluation will export
         self.last_step = -1  # the learner step the current weights come from (-1: none yet)
         self._lock = threading.Lock()
 
@@ -163,12 +209,14 @@ class LearnerDriver:
         return {"step": step, "policy_version": self.version, "wait_s": wait_s, **m, **batch_metrics(batch, rewards)}
 
     def _train(self, step: int, groups: list[SampleGroup]) -> tuple[dict[str, Any], list[float]]:
+        from connectors.weight_sync import pack
+
         rows, rewards = learner_rows(groups, self.r.learner.advantage)
         t0 = time.perf_counter()
         with self._lock:
             stats = self.learner.rl_step(rows, self.cfg) if rows else {}
             self.last_step = step
-            self._snapshot = {k: v.detach().clone() for k, v in self.learner.hf_state_dict().items()}
+            self._snapshot = pack(self.learner.hf_state_dict())  # a copy, laid out as the broadcast sends it
         train_s = time.perf_counter() - t0
         tokens = sum(len(r.response) for r in rows)
         return {"train_s": train_s, "train_tokens": tokens,
@@ -217,41 +265,10 @@ class LearnerDriver:
         """The newest published weights (HF names)."""
         if self._snapshot is not None:
             return self._snapshot
+        from connectors.weight_sync import pack
+
         with self._lock:
-            return {k: v.detach().clone() for k, v in self.learner.hf_state_dict().items()}
-
-    def export(self, out_dir: str, version: int | None = None) -> str:
-        """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model),
-        or of the pinned `version` (background evaluation: later steps may have trained meanwhile)."""
-        from connectors.mcore_checkpoint import export_hf
-
-        if version is None:
-            return str(export_hf(self, self.model_dir, out_dir))
-        if version not in self._pinned:
-            raise KeyError(f"version {version} was not kept for export (kept: {sorted(self._pinned)})")
-        return str(export_hf(_Weights(self._pinned.pop(version)), self.model_dir, out_dir))
-
-    def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
-        from connectors.weight_sync import dtype_name
-
-        state = self.hf_state_dict()
-        return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
-
-    def init_weight_group(self, host: str, port: int, world_size: int, group_name: str) -> None:
-        from connectors.weight_sync import create_group
-
-        self._group = create_group(host, port, world_size, group_name,
-                                   backend="nccl" if torch.cuda.is_available() else "gloo")
-
-    def drop_weight_group(self) -> None:
-        self._group = None
-
-    def push_weights(self) -> None:
-        """Broadcast every tensor to the engines (rank 0 of the weight group)."""
-        from connectors.weight_sync import broadcast
-
-        assert self._group is not None, "init_weight_group first"
-        broadcast(self._group, list(self.hf_state_dict().values()))
+            return pack(self.learner.hf_state_dict())
 
     def checkpoint(self, root: str, extra: dict[str, Any]) -> dict[str, Any]:
         """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step

@@ -281,6 +281,88 @@ def test_update_weights_from_distributed(engine, ref0, ref1):
     assert all(r.meta_info.weight_version == "7" for r in after)
 
 
+def _learner_state(model) -> dict:
+    """The weights as the learner sends them: the tied lm_head is the embedding, not sent twice."""
+    return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+@pytest.mark.slow
+def test_update_weights_from_distributed_bucketed(engine, ref0, ref1):
+    """load_format "flattened_bucket" (as VersionBroadcaster sends it): the learner's packed
+    weights in one broadcast; a layout the engine cannot take is a 400 before anything is
+    received, and the engine keeps serving."""
+    from connectors.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, pack
+
+    port = free_port()
+    state = pack(_learner_state(ref1))
+    names = list(state)
+    dtypes, shapes = [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
+    prompts = [prompt(i) for i in range(3)]
+    n = 24
+
+    async def main():
+        async with SGLangClient(engine.url) as c:
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(create_group, "127.0.0.1", port, 2, "wu-bucket", "gloo", 60),
+                c.init_weights_update_group("127.0.0.1", port, 1, 2, "wu-bucket", "gloo"))
+            with pytest.raises(EngineError) as bad:
+                await c.update_weights_from_distributed(names, ["float8"] + dtypes[1:], shapes, 9, "wu-bucket",
+                                                        load_format=BUCKET_FORMAT)
+            still = await _greedy(c, prompts[:1], n)
+            v_bad = await c.weight_version()
+            _, out = await asyncio.gather(
+                asyncio.to_thread(broadcast, group, list(state.values()), True),
+                c.update_weights_from_distributed(names, dtypes, shapes, 7, "wu-bucket", load_format=BUCKET_FORMAT))
+            return bad.value, still, v_bad, out, await c.weight_version(), await _greedy(c, prompts, n)
+
+    bad, still, v_bad, out, v, after = asyncio.run(main())
+    assert bad.status == 400 and "unsupported dtype 'float8'" in bad.message
+    assert still[0].output_ids == hf_greedy(ref0, prompts[0], n) and v_bad == "0"
+    assert out["success"] is True and v == "7"
+    assert [r.output_ids for r in after] == [hf_greedy(ref1, p, n) for p in prompts]
+    for p, r in zip(prompts, after):
+        assert max(abs(a - b) for a, b in zip(r.logprobs, reference_logprobs(ref1, p, r.output_ids, 0))) < TOL
+
+
+def test_update_weights_from_tensor(engine, ref0, ref1):
+    """SGLang's /update_weights_from_tensor with safetensors blobs: the pushed weights are served
+    (greedy tokens and log-probs equal transformers on them) under the new version. Pickled
+    payloads (SGLang's own load_formats) and bad blobs are refused with a 400 and the engine
+    keeps serving its weights."""
+    import base64
+    import pickle
+
+    pickled = base64.b64encode(pickle.dumps([("model.norm.weight", [0.0] * 64)])).decode()
+    prompts = [prompt(i) for i in range(3)]
+    n = 24
+
+    async def main():
+        async with SGLangClient(engine.url) as c, aiohttp.ClientSession() as s:
+            refused = [await post_json(s, engine.url + "/update_weights_from_tensor",
+                                       {"serialized_named_tensors": [pickled], "weight_version": "9",
+                                        **({"load_format": f} if f else {})})
+                       for f in (None, "direct", "flattened_bucket")]
+            garbage = await post_json(s, engine.url + "/update_weights_from_tensor", {
+                "serialized_named_tensors": [pickled], "load_format": "safetensors", "weight_version": "9"})
+            still = await _greedy(c, prompts[:1], n)
+            v_refused = await c.weight_version()
+            ok = await c.update_weights_from_tensor(_learner_state(ref1), weight_version=5)
+            return refused, garbage, still, v_refused, ok, await c.weight_version(), await _greedy(c, prompts, n)
+
+    refused, garbage, still, v_refused, ok, v, after = asyncio.run(main())
+    for st, out in refused:
+        msg = out["error"]["message"]
+        assert st == 400 and "refused" in msg and "unpickle" in msg and "'safetensors'" in msg, out
+    assert garbage[0] == 400 and "not a safetensors blob" in garbage[1]["error"]["message"]
+    assert still[0].output_ids == hf_greedy(ref0, prompts[0], n) and v_refused == "0"
+    assert ok["success"] is True and v == "5"
+    assert [r.output_ids for r in after] == [hf_greedy(ref1, p, n) for p in prompts]
+    assert after[0].output_ids != still[0].output_ids
+    for p, r in zip(prompts, after):
+        assert r.meta_info.weight_version == "5"
+        assert max(abs(a - b) for a, b in zip(r.logprobs, reference_logprobs(ref1, p, r.output_ids, 0))) < TOL
+
+
 # ---------------------------------------------------------------- pause / continue
 
 
@@ -677,6 +759,45 @@ def test_client_requests_match_sglang_schema(sgl):
     assert by_path["/update_weight_version"]["new_version"] == "4"
     assert by_path["/update_weights_from_distributed"]["weight_version"] == "5"
     assert by_path["/pause_generation"] == {"mode": "retract"}
+
+
+def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
+    """The bodies of update_weights_from_tensor and a bucketed update_weights_from_distributed use
+    only fields of SGLang's request types (the values differ by design: no pickle)."""
+    import torch
+
+    seen: list[tuple[str, dict]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append((request.path, json.loads(await request.read())))
+        return web.json_response({"success": True, "message": ""})
+
+    async def main():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with SGLangClient(f"http://127.0.0.1:{port}") as c:
+                await c.update_weights_from_tensor({"w": torch.ones(2)}, weight_version=3)
+                await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, load_format="flattened_bucket")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    fields = _io_struct_fields()
+    by_path = dict(seen)
+    tensor, dist = by_path["/update_weights_from_tensor"], by_path["/update_weights_from_distributed"]
+    assert not set(tensor) - fields["UpdateWeightsFromTensorReqInput"]
+    assert not set(dist) - fields["UpdateWeightsFromDistributedReqInput"]
+    assert tensor["load_format"] == "safetensors" and tensor["weight_version"] == "3"
+    assert dist["load_format"] == "flattened_bucket" and dist["weight_version"] == "4"
+    from safetensors.torch import load
+
+    import base64
+    assert torch.equal(load(base64.b64decode(tensor["serialized_named_tensors"][0]))["w"], torch.ones(2))
 
 
 def _check_generate_response(sgl, raw: dict, finish_cls: type) -> None:
