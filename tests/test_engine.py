@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import json
 import socket
 import zipfile
@@ -663,6 +664,21 @@ def sgl():
     return sglang_api_types()
 
 
+@contextlib.asynccontextmanager
+async def _recording_server(handler):
+    """An HTTP server on a free port answering every path with `handler`; yields its URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 def _io_struct_fields() -> dict[str, set[str]]:
     """Field names of SGLang's control-request structs (srt/managers/io_struct.py in the same
     wheel), read with `ast` without importing sglang."""
@@ -703,27 +719,18 @@ def test_client_requests_match_sglang_schema(sgl):
         return web.json_response({"success": True, "message": ""})
 
     async def main():
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with SGLangClient(f"http://127.0.0.1:{port}") as c:
-                await c.generate([1, 2, 3], FULL_SAMPLING, rid="r-full")
-                await c.generate([1, 2, 3])
-                await c.generate_batch([[1, 2], [3, 4]], api.SamplingParams(temperature=0.5), rids=["a", "b"])
-                await c.abort("r-full")
-                await c.abort()
-                await c.pause("retract")
-                await c.resume()
-                await c.update_weights_from_disk("/models/x", 3)
-                await c.update_weight_version(4)
-                await c.init_weights_update_group("127.0.0.1", 1234, 1, 2)
-                await c.update_weights_from_distributed(["w"], ["float32"], [[2, 3]], 5)
-        finally:
-            await runner.cleanup()
+        async with _recording_server(handler) as url, SGLangClient(url) as c:
+            await c.generate([1, 2, 3], FULL_SAMPLING, rid="r-full")
+            await c.generate([1, 2, 3])
+            await c.generate_batch([[1, 2], [3, 4]], api.SamplingParams(temperature=0.5), rids=["a", "b"])
+            await c.abort("r-full")
+            await c.abort()
+            await c.pause("retract")
+            await c.resume()
+            await c.update_weights_from_disk("/models/x", 3)
+            await c.update_weight_version(4)
+            await c.init_weights_update_group("127.0.0.1", 1234, 1, 2)
+            await c.update_weights_from_distributed(["w"], ["float32"], [[2, 3]], 5)
 
     asyncio.run(main())
     gens = [b for p, b in seen if p == "/generate"]
@@ -773,18 +780,9 @@ def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
         return web.json_response({"success": True, "message": ""})
 
     async def main():
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with SGLangClient(f"http://127.0.0.1:{port}") as c:
-                await c.update_weights_from_tensor({"w": torch.ones(2)}, weight_version=3)
-                await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, load_format="flattened_bucket")
-        finally:
-            await runner.cleanup()
+        async with _recording_server(handler) as url, SGLangClient(url) as c:
+            await c.update_weights_from_tensor({"w": torch.ones(2)}, weight_version=3)
+            await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, load_format="flattened_bucket")
 
     asyncio.run(main())
     fields = _io_struct_fields()
