@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from benchmarks.clustersim import Cluster, Lengths, Workload, simulate
 from benchmarks.simulate_cluster import fit_overhead, read_lengths
+
+SCRIPT = str(Path(__file__).resolve().parent.parent / "benchmarks" / "simulate_cluster.py")
 
 FIXED = Lengths(64, values=[40], counts=[1])  # every response 40 tokens
 TAIL = Lengths(2048, median=100, sigma=1.2)
@@ -105,3 +108,33 @@ def test_read_lengths(tmp_path):
     p.write_text("5\nseven\n")
     with pytest.raises(SystemExit, match=r"h.txt:2: expected `length \[count\]`, got 'seven'"):
         read_lengths(str(p), 8)
+
+
+def test_cli_writes_json_and_png(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--gpus", "2,4", "--steps", "4",
+         "--modes", "stream_eta2_abort_resume", "--median", "40", "--max-new-tokens", "256",
+         "--out-dir", str(tmp_path), "groups_per_step=4", "n_samples=2", "learner_step_overhead_s=0.1"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert json.loads((tmp_path / "simulate_cluster.json").read_text()) == res
+    assert (tmp_path / "simulate_cluster.png").stat().st_size > 10_000
+    assert set(res["sizes"]) == {"2", "4"}
+    for size in res["sizes"].values():
+        assert set(size) == {"lockstep", "stream_eta2_abort_resume"}
+        assert size["lockstep"]["speedup"] == 1.0 and size["stream_eta2_abort_resume"]["staleness_max"] <= 2
+    assert res["workload"]["groups_per_step"] == 4
+
+
+def test_cli_refuses_an_unknown_override():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, SCRIPT, "gpus_per_node=8"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "override 'gpus_per_node=8'" in out.stderr
