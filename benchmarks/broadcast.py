@@ -44,6 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
+from benchmarks._procs import stop  # noqa: E402
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
 
 PATHS = ("distributed", "distributed_per_tensor", "disk", "tensor")
@@ -372,16 +373,6 @@ def target(small: dict[str, Any]) -> dict[str, Any]:
     """The issue's target: disk or distributed on the small model to one engine reaches 50% of the limit."""
     ratios = {p: small[p]["ratio_to_limit"] for p in ("distributed", "disk") if p in small}
     return {"ratios": ratios, "met": any(r >= 0.5 for r in ratios.values())} if ratios else {}
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 if __name__ == "__main__":

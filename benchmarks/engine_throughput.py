@@ -28,6 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
+from benchmarks._procs import stop  # noqa: E402
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
 from connectors.router import Router, free_port  # noqa: E402
 from connectors.sglang_client import SGLangClient  # noqa: E402
@@ -88,16 +89,6 @@ def start_engine(model_dir: Path, port: int, threads: int) -> subprocess.Popen[b
     # The engine's output goes to our stderr: stdout carries only the JSON result.
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=sys.stderr, stderr=sys.stderr,
                             start_new_session=True)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def wait_engine(proc: subprocess.Popen[bytes], client: SGLangClient, timeout_s: float = 120) -> None:
