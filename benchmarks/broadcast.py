@@ -44,7 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
-from benchmarks._procs import stop  # noqa: E402
+from benchmarks._procs import start_engine, stop  # noqa: E402
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
 
 PATHS = ("distributed", "distributed_per_tensor", "disk", "tensor")
@@ -169,19 +169,12 @@ class Bench:
         self.version = 0
 
     def start_engines(self, model_dir: Path, count: int) -> list[str]:
-        from connectors.launcher import engine_command
-        from connectors.router import free_port
-
         urls = []
         for i in range(count):
-            port = free_port()
-            cmd = engine_command("embedded", str(model_dir), port, weight_version="0")
-            out = open(self.work / f"engine-{model_dir.parent.name}-{i}.log", "ab")  # noqa: SIM115 - the child keeps it
-            env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               start_new_session=True, env=env, cwd=REPO))
-            out.close()
-            urls.append(f"http://127.0.0.1:{port}")
+            with open(self.work / f"engine-{model_dir.parent.name}-{i}.log", "ab") as out:
+                proc, url = start_engine(model_dir, out)
+            self.procs.append(proc)
+            urls.append(url)
         return urls
 
     async def preset(self, preset: str) -> dict[str, Any]:

@@ -28,9 +28,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
-from benchmarks._procs import stop  # noqa: E402
+from benchmarks._procs import start_engine, stop  # noqa: E402
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
-from connectors.router import Router, free_port  # noqa: E402
+from connectors.router import Router  # noqa: E402
 from connectors.sglang_client import SGLangClient  # noqa: E402
 
 CONCURRENCY = (1, 8, 64)
@@ -80,15 +80,6 @@ def param_count(model_dir: Path) -> int:
         with safe_open(str(f), "pt") as st:
             n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
     return n
-
-
-def start_engine(model_dir: Path, port: int, threads: int) -> subprocess.Popen[bytes]:
-    code = (f"from connectors.engine_server import serve; "
-            f"serve({str(model_dir)!r}, host='127.0.0.1', port={port}, threads={threads})")
-    env = dict(os.environ)
-    # The engine's output goes to our stderr: stdout carries only the JSON result.
-    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=sys.stderr, stderr=sys.stderr,
-                            start_new_session=True)
 
 
 async def wait_engine(proc: subprocess.Popen[bytes], client: SGLangClient, timeout_s: float = 120) -> None:
@@ -147,14 +138,13 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def bench(args: argparse.Namespace, model_dir: Path, procs: list[Any]) -> dict[str, Any]:
     load = Load(model_dir / "tokenizer.json", args.max_new_tokens)
-    port = free_port()
-    engine = start_engine(model_dir, port, args.engine_threads)
+    engine, url = start_engine(model_dir, sys.stderr, args.engine_threads)  # stdout carries only the JSON result
     procs.append(engine)
-    direct = SGLangClient(f"http://127.0.0.1:{port}")
+    direct = SGLangClient(url)
     router = Router()
     procs.append(router)
     try:
-        log(f"engine on port {port}: waiting until healthy")
+        log(f"engine at {url}: waiting until healthy")
         await wait_engine(engine, direct)
         router.start()
         await router.add_worker(direct.base_url)

@@ -294,9 +294,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()  # no weight-loading / shard-writing bars on stderr
 
     from connectors.mcore_learner import init_single_process
-    from connectors.router import free_port
 
-    init_single_process(free_port())  # megatron parallel state and gloo group, once for every preset
+    init_single_process()  # megatron parallel state and gloo group, once for every preset
     (REPO / "runs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="learner_step-", dir=REPO / "runs"))
     presets: dict[str, Any] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -391,13 +392,16 @@ class _DropRouterProbes(logging.Filter):
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
           weight_version: str = "0", seed: int = 0, threads: int = 1, cpus: list[int] | None = None,
-          idle: bool = False) -> None:
+          idle: bool = False, sock_fd: int | None = None) -> None:
     """Serve until interrupted. `threads`: torch intra-op threads. One by default: engines share
     the CPU with the learner and other engines, and torch's default (one per core) collapses
     7-10x under such contention (benchmarks/engine_throughput.py --engine-threads).
     `cpus`: pin the engine to these cores (Linux; before any worker thread starts).
     `idle`: run only on CPU time nothing else wants (Linux SCHED_IDLE, else nice 19): a
-    background-evaluation engine must not slow training down."""
+    background-evaluation engine must not slow training down.
+    `sock_fd`: serve on this inherited, already listening socket (connectors/ports.py: the parent
+    bound it to port 0, so no other process can take the port between choosing and binding);
+    `port=0` without one binds a free port here and prints it."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     if idle:  # before any thread starts: threads inherit the policy
@@ -408,4 +412,9 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_runnin
     torch.set_num_threads(threads)
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
     server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)
-    web.run_app(server.app, host=host, port=port, print=lambda *_: None, access_log=None)
+    from connectors.ports import listen_socket, port_of
+
+    sock = socket.socket(fileno=sock_fd) if sock_fd is not None else listen_socket(host, port)
+    if not port:
+        print(f"embedded engine serving on http://{host}:{port_of(sock)}", flush=True)
+    web.run_app(server.app, sock=sock, print=lambda *_: None, access_log=None)

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,7 +46,9 @@ from typing import Any
 
 import ray
 
-from connectors.router import Router, free_port
+from connectors.ports import (PortTaken, held_by, listen_socket, port_of, process_tree, says_address_in_use,
+                              start_on_free_port)
+from connectors.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +77,47 @@ else:
 """
 
 
-def ensure_ray(num_cpus: int = 4, object_store_memory: int = 200 * 1024**2, **kwargs: Any) -> None:
-    """Start (or join, when already initialised) a local Ray cluster for engines and tests:
-    no dashboard, a small object store, auth off for local runs."""
+class RayUnavailable(RuntimeError):
+    """Ray could not be started or joined; the message is one line that says why."""
+
+
+def ensure_ray(num_cpus: int = 4, object_store_memory: int = 200 * 1024**2, address: str | None = None,
+               **kwargs: Any) -> None:
+    """Start this process's own local Ray instance (no dashboard, a small object store), or, with
+    `address` (e.g. "auto", "10.0.0.5:6379", "ray://..."), join that cluster, whose resources are
+    its own. Without an address a cluster already running on the machine (found through its
+    session files or RAY_ADDRESS) is never joined: address="local" always starts a new instance.
+    Does nothing when Ray is already initialised in this process."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store_memory, **kwargs)
+    host, _, port = (address or "").rpartition(":")
+    if host and port.isdigit() and "://" not in address:  # Ray would retry a dead GCS address for minutes
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as e:
+            raise RayUnavailable(f"could not join the Ray cluster at {address!r}: nothing answers there "
+                                 f"({e.strerror or e}); is `ray start --head` running?") from None
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                     object_store_memory=object_store_memory, **kwargs)
+    except Exception as e:  # noqa: BLE001 - Ray raises many kinds; the user needs one line
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        where = f"join the Ray cluster at {address!r}" if address else "start a local Ray instance"
+        raise RayUnavailable(f"could not {where}: {type(e).__name__}: {first}") from e
 
 
 def engine_command(backend: str, model_dir: str, port: int, *, host: str = "127.0.0.1", weight_version: str = "0",
                    tp: int = 1, extra_args: Sequence[str] = (), engine_kwargs: dict[str, Any] | None = None,
-                   parent_pid: int | None = None) -> list[str]:
+                   parent_pid: int | None = None, sock_fd: int | None = None) -> list[str]:
     """The engine process's command line. `backend` is "embedded" (`serve(**kwargs)`, which
-    takes `engine_kwargs` such as max_running, seed) or "sglang" (`sglang.launch_server` with
-    `extra_args` appended). Both run under the shim's parent watchdog (`parent_pid`: the pid the
+    takes `engine_kwargs` such as max_running, seed, and `sock_fd`: a listening socket the
+    process inherits, bound to `port` by the parent with connectors.ports.listen_socket; pass it
+    in Popen's pass_fds) or "sglang" (`sglang.launch_server` with `extra_args` appended, which
+    binds `port` itself). Both run under the shim's parent watchdog (`parent_pid`: the pid the
     engine must not outlive, default this process)."""
     head = [sys.executable, "-u", "-c", _SHIM, str(parent_pid or os.getpid()), backend]
     if backend == "embedded":
@@ -96,7 +125,7 @@ def engine_command(backend: str, model_dir: str, port: int, *, host: str = "127.
             raise ValueError(f"extra_args are for backend='sglang'; the embedded engine takes "
                              f"engine_kwargs (got {list(extra_args)})")
         kw = {"model_dir": str(model_dir), "host": host, "port": int(port), "weight_version": str(weight_version),
-              **(engine_kwargs or {})}
+              **({"sock_fd": sock_fd} if sock_fd is not None else {}), **(engine_kwargs or {})}
         return [*head, json.dumps(kw)]
     if backend == "sglang":
         if engine_kwargs:
@@ -148,6 +177,7 @@ class EngineActor:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
         self.starts = 0
+        self._log_start = 0  # where the current start's output begins in the log
 
     # ------------------------------------------------------------ process
 
@@ -164,20 +194,31 @@ class EngineActor:
                 self.backend = "sglang" if cuda else "embedded"
         return self.backend
 
-    def _spawn(self) -> None:
-        self.port = free_port(self.host)
-        cmd = engine_command(self._resolve_backend(), self.model_dir, self.port, host=self.host,
+    def _spawn(self, port: int, sock: socket.socket | None = None) -> None:
+        """Start the engine process on `port`; `sock` (embedded) is the socket already listening
+        there, which the process inherits."""
+        self.port = port
+        cmd = engine_command(self._resolve_backend(), self.model_dir, port, host=self.host,
                              weight_version=self.weight_version, tp=self.tp, extra_args=self.extra_args,
-                             engine_kwargs=self.engine_kwargs)
+                             engine_kwargs=self.engine_kwargs, sock_fd=sock.fileno() if sock else None)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         with open(self.log_path, "ab") as out:
             out.write(f"\n===== engine {self.index} start #{self.starts} backend={self.backend} "
-                      f"port={self.port} {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
+                      f"port={port} {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
             out.flush()
+            self._log_start = out.tell()
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=env)
+                                         start_new_session=True, env=env, pass_fds=(sock.fileno(),) if sock else ())
+
+    def _start_at(self, port: int, sock: socket.socket | None = None) -> None:
+        self._spawn(port, sock)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self._terminate()
+            raise
 
     def _wait_healthy(self) -> None:
         assert self.proc is not None
@@ -186,11 +227,15 @@ class EngineActor:
         while True:
             code = self.proc.poll()
             if code is not None:
+                if says_address_in_use(self._log_since_start()):  # SGLang binds its port itself: try another
+                    raise PortTaken(f"engine {self.index}: port {self.port} was taken")
                 raise RuntimeError(f"engine {self.index} exited with {code} while starting; "
                                    f"log {self.log_path}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     if resp.status == 200:
+                        if held_by(self.port, process_tree(self.proc.pid)) is False:
+                            raise PortTaken(f"engine {self.index}: port {self.port} is held by another process")
                         return
             except (urllib.error.URLError, OSError):
                 pass
@@ -199,6 +244,14 @@ class EngineActor:
                 raise TimeoutError(f"engine {self.index} not healthy at {url} within {self.startup_timeout_s}s; "
                                    f"log {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.2)
+
+    def _log_since_start(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def _terminate(self) -> None:
         proc, self.proc = self.proc, None
@@ -217,16 +270,17 @@ class EngineActor:
     # ------------------------------------------------------------ API
 
     def start(self) -> str:
-        """Start the engine (if not running) and wait until it is healthy; returns its URL."""
+        """Start the engine (if not running) and wait until it is healthy; returns its URL.
+        The embedded engine inherits a socket bound here to a free port; SGLang, which takes
+        only a number, is started again on another port if its port was taken meanwhile."""
         if self.alive():
             return self.url()
         self._terminate()
-        self._spawn()
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self._terminate()
-            raise
+        if self._resolve_backend() == "embedded":
+            with listen_socket(self.host) as sock:
+                self._start_at(port_of(sock), sock)
+        else:
+            start_on_free_port(self._start_at, self.host)
         return self.url()
 
     def restart(self, model_dir: str | None = None, weight_version: str | int | None = None) -> str:

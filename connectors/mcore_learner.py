@@ -24,17 +24,22 @@ from connectors.mcore_batch import TokenBatch, logprobs_and_entropy
 from streamrl import algorithms as alg
 
 
-def init_single_process(port: int, seed: int = 0) -> None:
+def init_single_process(seed: int = 0) -> None:
     """torch.distributed (gloo, world size 1) + megatron parallel state + CPU patches."""
-    init_distributed(port, rank=0, world_size=1, tp=1, seed=seed)
+    init_distributed(rank=0, world_size=1, tp=1, seed=seed)
 
 
-def init_distributed(port: int, rank: int, world_size: int, tp: int = 1, seed: int = 0) -> None:
+def init_distributed(rank: int, world_size: int, tp: int = 1, seed: int = 0, *, port: int = 0,
+                     listen_fd: int | None = None) -> None:
     """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
-    with tensor parallel size `tp` (data parallel = world_size / tp), CPU patches, seeds."""
+    with tensor parallel size `tp` (data parallel = world_size / tp), CPU patches, seeds.
+    The store is served by rank 0 on 127.0.0.1 (connectors/ports.py): on a socket it inherited
+    (`listen_fd`, bound to `port` by whoever started the ranks) or, alone, on one of its own;
+    the other ranks connect to `port`."""
     import torch.distributed as dist
 
     from connectors import megatron_cpu
+    from connectors.ports import tcp_store
 
     megatron_cpu.apply()
     from megatron.core import parallel_state
@@ -43,7 +48,8 @@ def init_distributed(port: int, rank: int, world_size: int, tp: int = 1, seed: i
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        store = tcp_store(world_size, rank=rank, port=port, listen_fd=listen_fd)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     if torch.cuda.is_available():

@@ -11,10 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from connectors.ports import PortTaken, held_by, listen_socket, port_of, process_tree, says_address_in_use, start_on_free_port
 from connectors.sglang_client import SGLangClient
 
 
@@ -33,19 +35,15 @@ def _die_with_parent() -> None:
         _prctl(1, signal.SIGTERM)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class Router:
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, policy: str = "round_robin",
                  log_dir: str | Path | None = None, request_timeout_s: int = 600) -> None:
-        self.host, self.port, self.policy = host, port or free_port(host), policy
+        self.host, self.policy = host, policy
+        self.port = port or 0  # 0: a free port, chosen at start()
         self.log_dir = Path(log_dir) if log_dir else None
         self.request_timeout_s = request_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self._temp_log: Path | None = None
         self.client = SGLangClient(self.url)
         self._workers: dict[str, SGLangClient] = {}
 
@@ -54,28 +52,62 @@ class Router:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 60) -> Router:
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
-               "--policy", self.policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        """Start the router and return once it listens. With no port given, on a free one (and
+        another if that one was taken meanwhile: connectors/ports.py)."""
+        if self.port:
+            self._start_at(self.port, timeout_s)
+        else:
+            start_on_free_port(lambda port: self._start_at(port, timeout_s), self.host)
+        return self
+
+    def _start_at(self, port: int, timeout_s: float) -> None:
+        # Its metrics port is a second number the router binds itself: a clash there is retried too.
+        with listen_socket() as probe:
+            metrics_port = port_of(probe)
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(port),
+               "--policy", self.policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                "--request-timeout-secs", str(self.request_timeout_s), "--log-level", "warn"]
-        out: Any = subprocess.DEVNULL
-        if self.log_dir:
+        if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / "router.log", "ab")  # noqa: SIM115 - lives as long as the router
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
-                                     preexec_fn=_die_with_parent)
+            log_path = self.log_dir / "router.log"
+        else:  # its output is needed to tell a taken port from other failures; removed by stop()
+            with tempfile.NamedTemporaryFile(prefix="streamrl-router-", suffix=".log", delete=False) as f:
+                log_path = self._temp_log = Path(f.name)
+        start_at = log_path.stat().st_size if log_path.exists() else 0
+        self.port = port
+        self.client.base_url = self.url
+        with open(log_path, "ab") as out:
+            self.proc = proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+
+        def output() -> str:
+            with open(log_path, "rb") as f:
+                f.seek(start_at)
+                return f.read().decode(errors="replace")
+
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with {self.proc.returncode} (command: {' '.join(cmd)})")
+            if proc.poll() is not None:
+                text = output()
+                self.proc = None
+                if says_address_in_use(text):
+                    raise PortTaken(f"sglang-router: port {port} or {metrics_port} taken")
+                raise RuntimeError(f"sglang-router exited with {proc.returncode} (command: {' '.join(cmd)}): "
+                                   f"{text.strip()[-1000:]}")
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.5):
-                    return self
+                with socket.create_connection((self.host, port), timeout=0.5):
+                    pass
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
                     raise TimeoutError(f"sglang-router did not listen on {self.url} within {timeout_s}s") from None
                 time.sleep(0.1)
+                continue
+            if held_by(port, process_tree(proc.pid)) is False:  # somebody else's server answered
+                self.stop()
+                raise PortTaken(f"port {port} is held by another process")
+            return
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -86,6 +118,9 @@ class Router:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        if self._temp_log is not None:
+            self._temp_log.unlink(missing_ok=True)
+            self._temp_log = None
 
     async def close(self) -> None:
         await self.client.close()

@@ -9,7 +9,8 @@ model has 40+ tensors). One `/update_weights_from_distributed` request per bucke
 are capped in size because the receiver allocates a bucket's buffer whole.
 
 The group is built from a TCPStore directly, so neither side needs (or disturbs) a default
-process group.
+process group. The trainer opens the store first (`open_store`: loopback, a port the kernel
+chose) and tells the engines its port.
 """
 
 from __future__ import annotations
@@ -38,26 +39,34 @@ def _dtype(name: str, dt: str) -> torch.dtype:
     return _DTYPES[dt]
 
 
-def _group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-           backend: str, timeout_s: float) -> Any:
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+def _group(store: Any, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float) -> Any:
     store = dist.PrefixStore(group_name, store)
     if backend == "nccl" and torch.cuda.is_available():
         return dist.ProcessGroupNCCL(store, rank, world_size)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+
+
+def open_store(world_size: int, host: str = "127.0.0.1", timeout_s: float = 60) -> Any:
+    """Trainer side, first: the group's TCPStore on `host`, on a port the kernel chose
+    (`store.port`, which the engines are told); connectors/ports.py."""
+    from connectors.ports import tcp_store
+
+    return tcp_store(world_size, host=host, timeout_s=timeout_s)
+
+
+def create_group(store: Any, world_size: int, group_name: str = "weight_update_group", backend: str = "gloo",
+                 timeout_s: float = 60) -> Any:
+    """Trainer side: rank 0 of the group over `open_store`'s store (blocks until every rank has joined)."""
+    return _group(store, 0, world_size, group_name, backend, timeout_s)
 
 
 def join_group(master_address: str, master_port: int, rank_offset: int, world_size: int,
                group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = 60) -> Any:
     """Engine side: join as rank `rank_offset` (blocks until every rank has joined)."""
-    return _group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s)
+    from connectors.ports import tcp_store
 
-
-def create_group(master_address: str, master_port: int, world_size: int,
-                 group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = 60) -> Any:
-    """Trainer side: rank 0, hosting the store."""
-    return _group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+    store = tcp_store(world_size, rank=rank_offset, host=master_address, port=master_port, timeout_s=timeout_s)
+    return _group(store, rank_offset, world_size, group_name, backend, timeout_s)
 
 
 def _from_rank0() -> Any:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from connectors.router import Router, free_port
+from connectors.router import Router
 from streamrl import faultpoint
 from streamrl.runlog import RunLog
 from streamrl.types import EnginePaused, EngineResumed, VersionPublished, now_ns
@@ -53,9 +53,10 @@ class VersionBroadcaster:
         if urls == self._group_urls:
             return
         self._group_gen += 1
-        name, port = f"streamrl-weights-{self._group_gen}", free_port(self.host)
+        name = f"streamrl-weights-{self._group_gen}"
         await self.learner.drop_weight_group.remote()
-        init = self.learner.init_weight_group.remote(self.host, port, len(urls) + 1, name)
+        port = await self.learner.open_weight_store.remote(self.host, len(urls) + 1)
+        init = self.learner.init_weight_group.remote(len(urls) + 1, name)
         await asyncio.gather(init, *(self.router.workers[u].init_weights_update_group(
             self.host, port, i + 1, len(urls) + 1, name, "nccl" if self._meta_is_cuda() else "gloo")
             for i, u in enumerate(urls)))

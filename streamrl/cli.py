@@ -52,11 +52,17 @@ def _parser() -> argparse.ArgumentParser:
                                    "has an sft: section; evaluate on data.eval_path; train run.steps steps in run.mode "
                                    "(stream, lockstep or one_step_off); evaluate again. Writes RUN_DIR/metrics.jsonl "
                                    "(one line per step), eval.jsonl, events.jsonl, run.log, checkpoints/, model/ (the "
-                                   "trained policy), sft_model/, recipe.yaml and pool/. A new run replaces the logs and "
-                                   "pool a previous run left in RUN_DIR; `--resume RUN_DIR` continues that run instead.")
+                                   "trained policy), sft_model/, recipe.yaml and pool/. Without --run-dir or run.dir each run gets "
+                                   "a new directory runs/<run.name>-<date>-<time> and runs/<run.name> links to the newest, so "
+                                   "earlier runs are kept. A RUN_DIR that already holds a run is never replaced silently: "
+                                   "`--resume RUN_DIR` continues it, --overwrite deletes it first.")
     r.add_argument("recipe", nargs="?", help="recipe file (not with --resume: the run's own recipe.yaml is used)")
     r.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. run.mode=lockstep staleness.max_staleness=4")
-    r.add_argument("--run-dir", help="run directory (default: run.dir, else runs/<run.name>)")
+    r.add_argument("--run-dir", help="run directory (default: run.dir, else a new runs/<run.name>-<date>-<time>, "
+                                     "with runs/<run.name> linking to it)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="with --run-dir (or run.dir) naming a directory that holds a run: delete that run (pool, "
+                        "checkpoints, logs, model) and start again there, without asking")
     r.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped or killed run from its last checkpoint: learner, optimizer, version, "
                         "dataset positions and the pool (partial groups resume from their saved tokens; steps "
@@ -211,14 +217,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
                 overrides = ([args.recipe] if args.recipe else []) + args.overrides
                 bad = [o for o in overrides if "=" not in o]
-                if bad or args.run_dir:
+                if bad or args.run_dir or args.overwrite:
                     raise UsageError(f"--resume takes the run directory and KEY=VALUE overrides only, not "
-                                     f"{(bad or ['--run-dir'])[0]!r} (the run's own recipe.yaml is used)")
+                                     f"{(bad or ['--run-dir' if args.run_dir else '--overwrite'])[0]!r} (the run's own recipe.yaml is used)")
                 summary = resume(args.resume, overrides, progress=not args.quiet)
             else:
                 if not args.recipe:
                     raise UsageError("streamrl run needs a RECIPE (or --resume RUN_DIR)")
-                summary = run(load_recipe(args.recipe, args.overrides), args.run_dir, progress=not args.quiet)
+                summary = run(load_recipe(args.recipe, args.overrides), args.run_dir, progress=not args.quiet,
+                              overwrite=args.overwrite)
         except (RunFailed, FileExistsError, FileNotFoundError) as e:
             raise UsageError(str(e)) from None
         _print_summary(summary)

@@ -79,6 +79,7 @@ class WeightSource:
     def __init__(self, model_dir: str) -> None:
         self.model_dir = str(model_dir)
         self._group: Any = None
+        self._store: Any = None
         self._pinned: dict[int, dict[str, torch.Tensor]] = {}  # versions a background evaluation will export
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -101,14 +102,23 @@ class WeightSource:
         state = self.hf_state_dict()
         return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
 
-    def init_weight_group(self, host: str, port: int, world_size: int, group_name: str) -> None:
+    def open_weight_store(self, host: str, world_size: int) -> int:
+        """First half of forming the weight group: its store, served here; returns its port."""
+        from connectors.weight_sync import open_store
+
+        self._store = open_store(world_size, host)
+        return int(self._store.port)
+
+    def init_weight_group(self, world_size: int, group_name: str) -> None:
+        """Second half: rank 0 of the group (returns once every engine has joined)."""
         from connectors.weight_sync import create_group
 
-        self._group = create_group(host, port, world_size, group_name,
+        assert self._store is not None, "open_weight_store first"
+        self._group = create_group(self._store, world_size, group_name,
                                    backend="nccl" if torch.cuda.is_available() else "gloo")
 
     def drop_weight_group(self) -> None:
-        self._group = None
+        self._group = self._store = None
 
     def push_weights(self, bucketed: bool = False) -> None:
         """Broadcast the weights to the engines (rank 0 of the weight group), in buckets or
@@ -120,16 +130,13 @@ class WeightSource:
 
 
 class LearnerDriver(WeightSource):
-    def __init__(self, recipe: Recipe, model_dir: str, port: int = 0, pool: bool = True) -> None:
-        """`port`: of the learner's own torch.distributed store; 0 picks a free one here (a port
-        chosen in another process may be taken by the time this one binds it)."""
+    def __init__(self, recipe: Recipe, model_dir: str, pool: bool = True) -> None:
         from connectors.mcore_learner import MegatronLearner, RLConfig, init_single_process
-        from connectors.router import free_port
 
         if recipe.learner.cpus:
             os.sched_setaffinity(0, recipe.learner.cpus)
         torch.set_num_threads(recipe.learner.threads)
-        init_single_process(port or free_port(), recipe.run.seed)
+        init_single_process(recipe.run.seed)
         super().__init__(model_dir)
         lc = recipe.learner
         self.r = recipe

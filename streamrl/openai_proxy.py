@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from connectors.ports import listen_socket, port_of
 from streamrl.agent import Episode, EpisodeError
 
 log = logging.getLogger("streamrl.openai_proxy")
@@ -62,11 +63,10 @@ class OpenAIProxy:
     async def start(self) -> str:
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
-        # Every sample of every group in flight may connect at once (hundreds): the default backlog is 128.
-        site = web.TCPSite(self._runner, self.host, 0, backlog=4096)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://{self.host}:{port}/v1"
+        # Every sample of every group in flight may connect at once (hundreds): listen_socket's backlog is 4096.
+        sock = listen_socket(self.host)
+        await web.SockSite(self._runner, sock).start()
+        self.url = f"http://{self.host}:{port_of(sock)}/v1"
         return self.url
 
     async def close(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from connectors.ports import listen_socket
 from streamrl import intake
 from streamrl.recipe import Recipe, load_recipe
 from streamrl.types import from_json, from_msgpack
@@ -441,11 +442,12 @@ async def _serve(svc: ProducerService, host: str, port: int) -> None:
     runner = web.AppRunner(svc.app(), access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        sock = listen_socket(host, port)  # port 0: the kernel picks one, reported in producer.json
+        await web.SockSite(runner, sock).start()
     except OSError as e:
         await runner.cleanup()
         raise ServiceError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
-    bound_host, bound_port = runner.addresses[0][:2]
+    bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:{bound_port}"
     info = svc.dir / INFO_FILE
     tmp = info.with_suffix(".tmp")

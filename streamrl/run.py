@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import time
@@ -103,22 +104,70 @@ def _get(r: Recipe, dotted: str) -> Any:
     return node
 
 
-def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """A new run in an empty directory (files of an earlier run there are deleted)."""
-    d = Path(run_dir) if run_dir else r.run_dir
-    if d.exists():
-        # Never delete something that is not a StreamRL run directory.
-        if any(d.iterdir()) and not any((d / m).exists() for m in ("metrics.jsonl", "pool", "run.log", RECIPE)):
-            raise FileExistsError(f"{d} exists and is not a StreamRL run directory; pick another --run-dir")
-        for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json", RECIPE, "frozen_at"):
-            (d / name).unlink(missing_ok=True)
-        for name in ("pool", "checkpoints", "weights", "model", "sft_model", "logs", "report"):
-            shutil.rmtree(d / name, ignore_errors=True)
-    if r.run.dir is None or run_dir:
-        import msgspec
+RUN_MARKERS = ("metrics.jsonl", "pool", "run.log", RECIPE, "checkpoints")  # what a run leaves in its directory
 
-        r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, dir=str(d)))
-    d.mkdir(parents=True, exist_ok=True)
+
+class RunExists(RunFailed):
+    """The run directory already holds a run; nothing was changed."""
+
+
+def holds_run(d: Path) -> bool:
+    return d.is_dir() and any((d / m).exists() for m in RUN_MARKERS)
+
+
+def _clear(d: Path) -> None:
+    """--overwrite: remove the files an earlier run left in `d` (and nothing else)."""
+    for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json", RECIPE, "frozen_at",
+                 "endpoints.json", "producer_token", "producer.json", "producer.lock"):
+        (d / name).unlink(missing_ok=True)
+    for name in ("pool", "checkpoints", "weights", "model", "sft_model", "logs", "report"):
+        shutil.rmtree(d / name, ignore_errors=True)
+
+
+def new_run_dir(r: Recipe, run_dir: str | Path | None = None, overwrite: bool = False) -> Path:
+    """The directory a new run writes to. Nothing a run left is ever deleted implicitly:
+    - `run_dir` (--run-dir) or the recipe's run.dir: used as given; when it already holds a run
+      this raises RunExists, unless `overwrite` (which deletes that run's files first);
+    - neither: a fresh dated directory `runs/<run.name>-YYYYmmdd-HHMMSS`, with `runs/<run.name>`
+      a symbolic link to the newest, so `streamrl report runs/<run.name>` finds the latest run
+      and every earlier one is kept."""
+    explicit = run_dir or r.run.dir
+    if explicit:
+        d = Path(explicit)
+        if holds_run(d):
+            if not overwrite:
+                raise RunExists(f"{d} already holds a run (its pool, checkpoints and logs are kept): continue it with "
+                                f"`streamrl run --resume {d}`, start a new one with another --run-dir, or pass "
+                                "--overwrite to delete it and start again")
+            _clear(d)
+        elif d.exists() and any(d.iterdir()):  # never delete what StreamRL did not write
+            raise FileExistsError(f"{d} exists and is not a StreamRL run directory; pick another --run-dir")
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+    latest = r.run_dir  # runs/<run.name>
+    latest.parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        d = latest.with_name(f"{latest.name}-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            d.mkdir()
+            break
+        except FileExistsError:
+            continue
+    if latest.is_symlink() or not latest.exists():
+        tmp = latest.with_name(f".{latest.name}.{os.getpid()}.link")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(d.name)
+        os.replace(tmp, latest)  # atomic: readers see the old run or the new one
+    return d
+
+
+def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
+    """A new run (see `new_run_dir` for where; an existing run is never replaced silently)."""
+    import msgspec
+
+    d = new_run_dir(r, run_dir, overwrite)
+    r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, dir=str(d)))
     from streamrl.recipe import dump_recipe
 
     (d / RECIPE).write_text(dump_recipe(r))

@@ -128,10 +128,9 @@ class Runtime:
     # ------------------------------------------------------------ start / stop
 
     async def start(self) -> None:
-        import ray
         from transformers import AutoTokenizer
 
-        from connectors.launcher import EngineLauncher, ensure_ray
+        from connectors.launcher import EngineLauncher, RayUnavailable, ensure_ray
         from connectors.router import Router
         from streamrl.broadcast import VersionBroadcaster
         from streamrl.learner import learner_actor
@@ -141,14 +140,19 @@ class Runtime:
         prepare_inputs(r, self.log)
         self.tokenizer = AutoTokenizer.from_pretrained(r.model.tokenizer or r.model.path)
         recipe_json = msgspec.json.encode(r)
-        if r.ray.address:
-            ray.init(address=r.ray.address)
-        else:
-            need = r.engines.num + r.rollout.workers + 2
-            ensure_ray(num_cpus=r.ray.num_cpus or need, runtime_env={"env_vars": {
-                "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
-                **({faultpoint.ENV: os.environ[faultpoint.ENV]} if os.environ.get(faultpoint.ENV) else {})}})
+        need = r.engines.num + r.rollout.workers + 2
+        env_vars = {"PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
+                    **({faultpoint.ENV: os.environ[faultpoint.ENV]} if os.environ.get(faultpoint.ENV) else {})}
+        try:  # no ray.address: a Ray instance of this run's own, never one found on the machine
+            ensure_ray(num_cpus=r.ray.num_cpus or need, address=r.ray.address, runtime_env={"env_vars": env_vars})
+        except RayUnavailable as e:
+            hint = " (check ray.address, or leave it out to start a local instance)" if r.ray.address else ""
+            raise RunFailed(f"{e}{hint}") from None
+        import ray
+
+        self.log.info(f"Ray: {'joined the cluster at ' + r.ray.address if r.ray.address else 'a local instance of its own'}"
+                      f" (GCS {ray.get_runtime_context().gcs_address})")
         self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
         self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs").start()
         # The SFT policy is kept as an HF directory: a resumed run or a replay builds its learner

@@ -143,20 +143,22 @@ def wait_port(host: str, port: int, proc: subprocess.Popen[bytes] | None = None,
 class EngineProc:
     """One embedded engine in a subprocess: `serve(model_dir, port=P)` with the default host."""
 
-    def __init__(self, model_dir: str | Path, log_path: str | Path, port: int | None = None) -> None:
-        from connectors.router import free_port
+    def __init__(self, model_dir: str | Path, log_path: str | Path) -> None:
+        from connectors.ports import listen_socket, port_of
 
         self.model_dir = str(model_dir)
-        self.port = port or free_port()
         self.log_path = Path(log_path)
-        code = f"from connectors.engine_server import serve; serve({self.model_dir!r}, port={self.port})"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         # One intra-op thread per engine: with torch's default (a thread per core) two engines on a
         # 2-core machine that is also busy with other work decoded 6 x 200 tokens in ~65 s instead
         # of ~0.4 s (thread oversubscription); on an idle machine both take ~0.3 s.
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+        with listen_socket() as sock:  # the engine inherits it: the port is never free to be taken
+            self.port = port_of(sock)
+            code = (f"from connectors.engine_server import serve; "
+                    f"serve({self.model_dir!r}, port={self.port}, sock_fd={sock.fileno()})")
+            self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=self._log,
+                                         stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),),
+                                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
         self.pid = self.proc.pid
         self.returncode: int | None = None
         self.killed = False

@@ -16,11 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_script(script: str, *args: str) -> Any:
-    """Run `script` as `python -c SCRIPT PORT *args` (PORT: a free local port for gloo) and
-    return the JSON its last stdout line holds."""
-    from connectors.router import free_port
-
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(free_port()), *args], cwd=REPO,
+    """Run `script` as `python -c SCRIPT *args` and return the JSON its last stdout line holds."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

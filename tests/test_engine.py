@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from connectors import sglang_api as api
-from connectors.router import free_port
+from connectors.ports import listen_socket, port_of
 from connectors.sglang_client import EngineError, SGLangClient
 from streamrl.types import VersionSpan
 from enginekit import (
@@ -194,13 +194,13 @@ def test_weight_sync_broadcast_roundtrip():
 
     import torch
 
-    from connectors.weight_sync import broadcast, create_group, join_group, receive
+    from connectors.weight_sync import broadcast, create_group, join_group, open_store, receive
 
-    port = free_port()
+    store = open_store(2)
     sent = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([7, 8], dtype=torch.int64)]
     with cf.ThreadPoolExecutor(2) as ex:
-        f0 = ex.submit(create_group, "127.0.0.1", port, 2, "rt", "gloo", 20)
-        f1 = ex.submit(join_group, "127.0.0.1", port, 1, 2, "rt", "gloo", 20)
+        f0 = ex.submit(create_group, store, 2, "rt", "gloo", 20)
+        f1 = ex.submit(join_group, "127.0.0.1", store.port, 1, 2, "rt", "gloo", 20)
         g0, g1 = f0.result(), f1.result()
         fb = ex.submit(broadcast, g0, sent)
         fr = ex.submit(receive, g1, ["a", "b"], ["float32", "int64"], [[2, 3], [2]])
@@ -245,9 +245,10 @@ def test_update_weights_from_disk(engine, model_dirs, ref0, ref1):
 def test_update_weights_from_distributed(engine, ref0, ref1):
     """The test process is the trainer (rank 0 of a gloo group, world size 2); the engine joins
     through /init_weights_update_group and receives every tensor of the seed-1 model."""
-    from connectors.weight_sync import broadcast, create_group, dtype_name
+    from connectors.weight_sync import broadcast, create_group, dtype_name, open_store
 
-    port = free_port()
+    store = open_store(2)
+    port = store.port
     state = ref1.state_dict()
     names = list(state)
     prompts = [prompt(i) for i in range(3)]
@@ -257,7 +258,7 @@ def test_update_weights_from_distributed(engine, ref0, ref1):
         async with SGLangClient(engine.url) as c, aiohttp.ClientSession() as s:
             before = await _greedy(c, prompts, n)
             group, (st, out) = await asyncio.gather(
-                asyncio.to_thread(create_group, "127.0.0.1", port, 2, "wu-test", "gloo", 60),
+                asyncio.to_thread(create_group, store, 2, "wu-test", "gloo", 60),
                 post_json(s, engine.url + "/init_weights_update_group", {
                     "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                     "group_name": "wu-test", "backend": "gloo"}))
@@ -292,9 +293,10 @@ def test_update_weights_from_distributed_bucketed(engine, ref0, ref1):
     """load_format "flattened_bucket" (as VersionBroadcaster sends it): the learner's packed
     weights in one broadcast; a layout the engine cannot take is a 400 before anything is
     received, and the engine keeps serving."""
-    from connectors.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, pack
+    from connectors.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
 
-    port = free_port()
+    store = open_store(2)
+    port = store.port
     state = pack(_learner_state(ref1))
     names = list(state)
     dtypes, shapes = [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
@@ -304,7 +306,7 @@ def test_update_weights_from_distributed_bucketed(engine, ref0, ref1):
     async def main():
         async with SGLangClient(engine.url) as c:
             group, _ = await asyncio.gather(
-                asyncio.to_thread(create_group, "127.0.0.1", port, 2, "wu-bucket", "gloo", 60),
+                asyncio.to_thread(create_group, store, 2, "wu-bucket", "gloo", 60),
                 c.init_weights_update_group("127.0.0.1", port, 1, 2, "wu-bucket", "gloo"))
             with pytest.raises(EngineError) as bad:
                 await c.update_weights_from_distributed(names, ["float8"] + dtypes[1:], shapes, 9, "wu-bucket",
@@ -666,15 +668,15 @@ def sgl():
 
 @contextlib.asynccontextmanager
 async def _recording_server(handler):
-    """An HTTP server on a free port answering every path with `handler`; yields its URL."""
+    """An HTTP server on a free port (connectors/ports.py) answering every path with `handler`; yields its URL."""
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    sock = listen_socket()
+    await web.SockSite(runner, sock).start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port_of(sock)}"
     finally:
         await runner.cleanup()
 

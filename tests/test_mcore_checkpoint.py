@@ -27,8 +27,8 @@ TRAIN = """
     from safetensors.torch import save_file
     from connectors.mcore_learner import MegatronLearner, init_single_process
     from connectors import mcore_checkpoint as mc
-    port, model_dir, root, mode, out = sys.argv[1:6]
-    init_single_process(int(port))
+    model_dir, root, mode, out = sys.argv[1:5]
+    init_single_process()
     learner = MegatronLearner(model_dir, lr=3e-3, warmup_steps=5, weight_decay=0.01, micro_batch_size=8)
 
     def batch():  # every draw goes through the global RNGs a checkpoint must restore
@@ -298,8 +298,8 @@ EXPORT = """
     from connectors.mcore_learner import MegatronLearner, init_single_process
     from connectors.mcore_batch import TokenBatch
     from connectors import mcore_checkpoint as mc
-    port, model_dir, out, logits_file = sys.argv[1:5]
-    init_single_process(int(port))
+    model_dir, out, logits_file = sys.argv[1:4]
+    init_single_process()
     learner = MegatronLearner(model_dir, lr=1e-2)
     for _ in range(2):  # move the weights away from the base model's
         learner.sft_step([([5, 6, 7], [8, 9, 2]), ([11, 12, 13], [14, 15, 2])])

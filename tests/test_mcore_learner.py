@@ -13,14 +13,14 @@ from learnerkit import model_dir, run_script  # noqa: F401 - model_dir is a fixt
 SFT = """
     import sys, time, random, json
     from connectors.mcore_learner import MegatronLearner, init_single_process
-    init_single_process(int(sys.argv[1]))
+    init_single_process()
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(sys.argv[2])
+    tok = AutoTokenizer.from_pretrained(sys.argv[1])
     rng = random.Random(0)
     def row():
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         return tok.encode(f"{a}+{b}="), tok.encode(str(a + b)) + [tok.eos_token_id]
-    learner = MegatronLearner(sys.argv[2], lr=3e-3, micro_batch_size=32, warmup_steps=5)
+    learner = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=32, warmup_steps=5)
     t0, losses = time.time(), []
     for _ in range(100):
         losses.append(learner.sft_step([row() for _ in range(64)])["loss"])
@@ -40,10 +40,10 @@ def test_sft_lowers_the_loss_in_under_a_minute(model_dir: Path) -> None:
 RL = """
     import sys, json, threading, torch
     from connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_single_process
-    init_single_process(int(sys.argv[1]))
+    init_single_process()
     from connectors.engine_core import EngineCore, GenRequest
     from streamrl.algorithms import group_advantages
-    eng = EngineCore(sys.argv[2])
+    eng = EngineCore(sys.argv[1])
     threading.Thread(target=eng.run, daemon=True).start()
     done, ev = [], threading.Event()
     def cb(r):
@@ -61,8 +61,8 @@ RL = """
     adv = group_advantages(rewards, "grpo").flatten().tolist()
     samples = [Sample(prompt=r.input_ids, response=r.output_ids, advantage=a, rollout_logprobs=r.logprobs,
                       group=int(r.rid[0])) for r, a in zip(done, adv)]
-    learner = MegatronLearner(sys.argv[2], lr=1e-2, micro_batch_size=4, with_reference=True)
-    cfg = RLConfig(kl_coef=0.1, off_policy=sys.argv[3], entropy_coef=0.01)
+    learner = MegatronLearner(sys.argv[1], lr=1e-2, micro_batch_size=4, with_reference=True)
+    cfg = RLConfig(kl_coef=0.1, off_policy=sys.argv[2], entropy_coef=0.01)
     first = learner.rl_step(samples, cfg)
     second = learner.rl_step(samples, cfg)
     print(json.dumps({"first": first, "second": second, "version": learner.version}))

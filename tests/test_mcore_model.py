@@ -17,13 +17,14 @@ SCRIPT = textwrap.dedent("""
     from connectors import megatron_cpu
     megatron_cpu.apply()
     from megatron.core import parallel_state
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+    from connectors.ports import tcp_store
+    dist.init_process_group("gloo", store=tcp_store(1), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     megatron_cpu.seed_cpu(0)
     from transformers import AutoModelForCausalLM
     from connectors.mcore_model import load_model, hf_state_dict
     out = {}
-    for d in sys.argv[2:]:
+    for d in sys.argv[1:]:
         model, bridge = load_model(d)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         ids = torch.randint(0, hf.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
@@ -47,15 +48,13 @@ def test_mbridge_qwen2_and_llama_match_transformers(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from connectors.model_kit import init_model_dir
-    from connectors.router import free_port
-
     qwen = init_model_dir(tmp_path / "qwen2", "tiny")
     torch.manual_seed(0)  # Llama: GQA, untied output layer, no qkv bias
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                          tie_word_embeddings=False))
     llama.save_pretrained(tmp_path / "llama")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port()), str(qwen), str(tmp_path / "llama")],
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(qwen), str(tmp_path / "llama")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
@@ -71,13 +70,14 @@ LOGPROB_SCRIPT = textwrap.dedent("""
     from connectors import megatron_cpu
     megatron_cpu.apply()
     from megatron.core import parallel_state
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+    from connectors.ports import tcp_store
+    dist.init_process_group("gloo", store=tcp_store(1), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     megatron_cpu.seed_cpu(0)
     from connectors.engine_core import EngineCore, GenRequest
     from connectors.mcore_batch import TokenBatch, logprobs_and_entropy
     from connectors.mcore_model import load_model
-    eng = EngineCore(sys.argv[2])
+    eng = EngineCore(sys.argv[1])
     threading.Thread(target=eng.run, daemon=True).start()
     done, ev = [], threading.Event()
     def cb(r):
@@ -86,16 +86,16 @@ LOGPROB_SCRIPT = textwrap.dedent("""
             ev.set()
     for i in range(6):  # different prompt and response lengths: the learner batch is padded
         eng.submit(GenRequest(rid=str(i), input_ids=list(range(3, 6 + i)), max_new_tokens=12 + i,
-                              temperature=float(sys.argv[3]), ignore_eos=True, sampling_seed=i, on_done=cb))
+                              temperature=float(sys.argv[2]), ignore_eos=True, sampling_seed=i, on_done=cb))
     assert ev.wait(120)
     eng.stop()
     done.sort(key=lambda r: int(r.rid))
-    model, _ = load_model(sys.argv[2])
+    model, _ = load_model(sys.argv[1])
     b = TokenBatch([(r.input_ids, r.output_ids) for r in done])
     on = TokenBatch([(r.input_ids, r.output_ids) for r in done]).to(next(model.parameters()).device)
     with torch.no_grad():
         logp, ent = (t.cpu() for t in logprobs_and_entropy(model(on.ids, on.positions, on.attn_mask), on.ids,
-                                                           float(sys.argv[3])))
+                                                           float(sys.argv[2])))
     diff = max((got - torch.tensor(r.logprobs)).abs().max().item() for got, r in zip(b.response_values(logp), done))
     ratio = torch.exp(logp - b.scatter([r.logprobs for r in done]))[b.resp_mask.bool()]
     print(json.dumps({"diff": diff, "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
@@ -109,10 +109,8 @@ def test_learner_logprobs_equal_engine_rollout_logprobs(tmp_path: Path, temperat
     import json
 
     from connectors.model_kit import init_model_dir
-    from connectors.router import free_port
-
     d = init_model_dir(tmp_path / "m", "tiny")
-    r = subprocess.run([sys.executable, "-c", LOGPROB_SCRIPT, str(free_port()), str(d), str(temperature)],
+    r = subprocess.run([sys.executable, "-c", LOGPROB_SCRIPT, str(d), str(temperature)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])

@@ -15,15 +15,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import sys, json, random
-    rank, world, tp, port, d = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    rank, world, tp, port, fd, d = (*map(int, sys.argv[1:6]), sys.argv[6])
     from connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_distributed
-    init_distributed(port, rank, world, tp, seed=0)
+    init_distributed(rank, world, tp, seed=0, port=port, listen_fd=fd if rank == 0 else None)
     rng = random.Random(0)
     samples = [Sample(prompt=[rng.randrange(500) for _ in range(5 + g)],
                       response=[rng.randrange(500) for _ in range(6 + i + g)], advantage=rng.uniform(-1, 1), group=g)
                for g in range(4) for i in range(4)]
     learner = MegatronLearner(d, lr=1e-2, micro_batch_size=4, with_reference=True)
-    out = [learner.rl_step(samples, RLConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=sys.argv[6]))
+    out = [learner.rl_step(samples, RLConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=sys.argv[7]))
            for _ in range(3)]
     if rank == 0:
         print(json.dumps([{k: o[k] for k in ("loss", "grad_norm", "kl", "entropy")} for o in out]))
@@ -31,12 +31,14 @@ SCRIPT = textwrap.dedent("""
 
 
 def _launch(world: int, tp: int, model: Path, agg: str) -> list[subprocess.Popen[str]]:
-    from connectors.router import free_port
+    from connectors.ports import listen_socket, port_of
 
-    port = free_port()
-    return [subprocess.Popen([sys.executable, "-c", SCRIPT, str(r), str(world), str(tp), str(port), str(model), agg],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in range(world)]
+    with listen_socket() as sock:  # rank 0 serves the store on it (no port to race for)
+        fd = sock.fileno()
+        return [subprocess.Popen([sys.executable, "-c", SCRIPT, str(r), str(world), str(tp), str(port_of(sock)),
+                                  str(fd), str(model), agg], pass_fds=(fd,) if r == 0 else (),
+                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for r in range(world)]
 
 
 def _result(procs: list[subprocess.Popen[str]]) -> list[dict[str, float]]:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from connectors.ports import listen_socket, port_of
 from streamrl.rewards import (
     RewardHub,
     Scored,
@@ -115,9 +116,9 @@ async def server(handler: Callable[[web.Request], Any]) -> AsyncIterator[tuple[s
     app.router.add_post("/score", wrapped)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    sock = listen_socket()
+    await web.SockSite(runner, sock).start()
+    port = port_of(sock)
     try:
         yield f"http://127.0.0.1:{port}/score", seen
     finally:

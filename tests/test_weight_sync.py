@@ -8,7 +8,6 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from connectors.router import free_port
 from connectors.weight_sync import (
     BUCKET_FORMAT,
     broadcast,
@@ -16,6 +15,7 @@ from connectors.weight_sync import (
     dtype_name,
     flatten,
     join_group,
+    open_store,
     pack,
     plan_buckets,
     receive,
@@ -100,10 +100,10 @@ def test_unflatten_refuses_a_layout_that_does_not_fit(case, args, words):
 def test_bucketed_broadcast_into_a_reused_buffer():
     """Two ranks in two threads: the sender's buckets land in the receiver's buffer (grown, then
     reused), byte for byte, for two pushes of different weights."""
-    port = free_port()
+    store = open_store(2)
     with cf.ThreadPoolExecutor(2) as ex:
-        f0 = ex.submit(create_group, "127.0.0.1", port, 2, "bk", "gloo", 20)
-        f1 = ex.submit(join_group, "127.0.0.1", port, 1, 2, "bk", "gloo", 20)
+        f0 = ex.submit(create_group, store, 2, "bk", "gloo", 20)
+        f1 = ex.submit(join_group, "127.0.0.1", store.port, 1, 2, "bk", "gloo", 20)
         g0, g1 = f0.result(), f1.result()
         buf = torch.empty(0, dtype=torch.uint8)
         for seed in (1, 2):
