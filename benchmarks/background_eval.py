@@ -37,8 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.chdir(REPO)
 
+from streamrl.runtime.runlog import read_jsonl  # noqa: E402
+
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
-from streamrl.runlog import read_jsonl  # noqa: E402
 
 CONFIGS = {
     "none": ["run.eval_every=0"],

@@ -3,7 +3,7 @@
 this machine's memory-copy bandwidth measured in the same run (the limit).
 
 For each model preset, starts the largest number of embedded engines asked for as processes
-(connectors.launcher.engine_command, as a run's engine actors do) on 127.0.0.1, each serving
+(streamrl.connectors.engine_actor.engine_command, as a run's engine actors do) on 127.0.0.1, each serving
 the preset's model (seed 0). This process plays the learner: it holds a second set of weights
 (the same preset, seed 1) as an HF state dict and pushes the two sets in turn, to the first 1,
 2, 4 engines, by each path:
@@ -106,12 +106,12 @@ def memcopy_bps(nbytes: int, repeats: int) -> float:
 
 
 class Sender:
-    """The learner's weight side (streamrl.learner.WeightSource) over two fixed weight sets; its
+    """The learner's weight side (streamrl.runtime.learner.WeightSource) over two fixed weight sets; its
     methods are called as the broadcaster calls the learner actor's (`.remote(...)`, awaited),
     each on a thread, and timed."""
 
     def __init__(self, model_dir: Path, states: list[dict[str, Any]]) -> None:
-        from streamrl.learner import WeightSource
+        from streamrl.runtime.learner import WeightSource
 
         class Source(WeightSource):
             def hf_state_dict(inner) -> dict[str, Any]:
@@ -178,11 +178,11 @@ class Bench:
         return urls
 
     async def preset(self, preset: str) -> dict[str, Any]:
-        from connectors.model_kit import build_model, build_tokenizer, init_model_dir
-        from connectors.sglang_client import SGLangClient
-        from connectors.weight_sync import pack
-        from streamrl.broadcast import VersionBroadcaster
-        from streamrl.runlog import RunLog
+        from streamrl.connectors.model_kit import build_model, build_tokenizer, init_model_dir
+        from streamrl.connectors.sglang_client import SGLangClient
+        from streamrl.connectors.weight_sync import pack
+        from streamrl.runtime.broadcast import VersionBroadcaster
+        from streamrl.runtime.runlog import RunLog
 
         model_dir = init_model_dir(self.work / preset / "model", preset, seed=0)
         tok = build_tokenizer()

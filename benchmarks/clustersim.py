@@ -12,6 +12,8 @@ Time advances between events: an engine's running requests all gain one token pe
 iteration, so the next event of an engine is its earliest finishing request; nothing is
 simulated token by token. Lengths are counted in blocks of `token_block` tokens (1 = exact) so
 that trajectories of thousands of tokens stay small in memory.
+
+Long file: the engines, learner, broadcast and the three loops of one discrete-event model must be read together.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from streamrl import partial, spans, staleness
-from streamrl.ledger import compute_ledger
-from streamrl.types import VersionSpan
+from streamrl.core import partial, spans, staleness
+from streamrl.core.ledger import compute_ledger
+from streamrl.core.types import VersionSpan
 
 # ------------------------------------------------------------------ parameters
 
@@ -301,7 +303,7 @@ class Run:
         self.wasted_blocks = self.interruptions = self.masked_blocks = 0
         self.train_s = 0.0
 
-    # ---- rollout workers (streamrl/rollout.py)
+    # ---- rollout workers (streamrl/runtime/rollout.py)
     def _capacity(self, i: int) -> int:
         total = staleness.admission_capacity(self.version, self.w.max_staleness, self.w.groups_per_step)
         return staleness.capacity_share(total, i, staleness.capacity_shares(self.w.workers, False))

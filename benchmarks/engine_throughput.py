@@ -3,7 +3,7 @@
 engine and through the real sglang-router in front of it.
 
 Builds a model (model_kit preset) in a temporary directory under runs/, starts the engine
-(connectors.engine_server.serve) and sglang-router as subprocesses on 127.0.0.1, warms both
+(streamrl.connectors.engine_server.serve) and sglang-router as subprocesses on 127.0.0.1, warms both
 paths up, then measures. Prints one JSON object on stdout (progress on stderr); every process
 it starts is stopped on the way out.
 """
@@ -28,10 +28,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
+from streamrl.connectors.router import Router  # noqa: E402
+from streamrl.connectors.sglang_client import SGLangClient  # noqa: E402
+
 from benchmarks._procs import start_engine, stop  # noqa: E402
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
-from connectors.router import Router  # noqa: E402
-from connectors.sglang_client import SGLangClient  # noqa: E402
 
 CONCURRENCY = (1, 8, 64)
 ENGINE_MAX_RUNNING = 64  # serve()'s default: at most this many requests decode together
@@ -202,7 +203,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="engine_throughput-", dir=REPO / "runs"))
     procs: list[Any] = []
     try:
-        from connectors.model_kit import PRESETS, init_model_dir
+        from streamrl.connectors.model_kit import PRESETS, init_model_dir
 
         log(f"building the {args.preset} model in {work}")
         model_dir = init_model_dir(work / "model", preset=args.preset)

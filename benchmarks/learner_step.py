@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Learner step throughput: one RL training step of the megatron-core learner
-(connectors.mcore_learner.MegatronLearner.rl_step) against a plain transformers model of the
+(streamrl.connectors.mcore_learner.MegatronLearner.rl_step) against a plain transformers model of the
 same weights doing the same step, on the same batch, per model_kit preset.
 
 The transformers side is written out by hand to do what rl_step does: the proximal
 log-probs (a no-grad forward per micro-batch), then per micro-batch a forward,
-`logprobs_and_entropy`, `streamrl.algorithms.policy_loss`, backward of the share-weighted
+`logprobs_and_entropy`, `streamrl.core.algorithms.policy_loss`, backward of the share-weighted
 loss; then global-norm grad clip and a torch AdamW step. Both sides use the same
 micro-batches (whole groups), the same TokenBatch padding and the same loss code, so the
 difference is the model: megatron's GPTModel (local layer spec on CPU) vs transformers'
@@ -40,7 +40,7 @@ from benchmarks._report import emit, git_rev, machine  # noqa: E402
 
 FIGURES = """
 method: a fixed batch of --samples rows in groups of --group-size (GRPO: random 0/1 rewards
-per row, advantages by streamrl.algorithms.group_advantages(..., "grpo")), random token ids,
+per row, advantages by streamrl.core.algorithms.group_advantages(..., "grpo")), random token ids,
 prompt lengths uniform in [--prompt-len * 3/4, --prompt-len * 5/4] and response lengths
 likewise around --response-len; micro-batches of --micro-batch-size rows (whole groups).
 Objective: RLConfig defaults (token aggregation, clip 0.2 / 0.28, no KL, no entropy bonus, on
@@ -106,20 +106,20 @@ class TransformersLearner:
         self.micro_batch_size = micro_batch_size
 
     def _micro_batches(self, samples: Sequence[Any]) -> list[list[Any]]:
-        from connectors.mcore_learner import MegatronLearner
+        from streamrl.connectors.mcore_learner import MegatronLearner
 
         return MegatronLearner._micro_batches(self, samples)  # type: ignore[arg-type]  # same split
 
     def _forward(self, b: Any, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from connectors.mcore_batch import logprobs_and_entropy
+        from streamrl.connectors.mcore_batch import logprobs_and_entropy
 
         # Right padding: the causal mask alone keeps pads away from real tokens, as in TokenBatch.
         logits = self.model(input_ids=b.ids, position_ids=b.positions).logits
         return logprobs_and_entropy(logits, b.ids, temperature, with_entropy)
 
     def rl_step(self, samples: Sequence[Any], cfg: Any) -> dict[str, float]:
-        from connectors.mcore_batch import TokenBatch
-        from streamrl import algorithms as alg
+        from streamrl.connectors.mcore_batch import TokenBatch
+        from streamrl.core import algorithms as alg
 
         self.model.train()
         mbs = self._micro_batches(samples)
@@ -158,8 +158,8 @@ class TransformersLearner:
 
 
 def make_batch(args: argparse.Namespace, vocab: int) -> list[Any]:
-    from connectors.mcore_learner import Sample
-    from streamrl.algorithms import group_advantages
+    from streamrl.connectors.mcore_learner import Sample
+    from streamrl.core.algorithms import group_advantages
 
     rng = random.Random(0)
     groups = args.samples // args.group_size
@@ -192,8 +192,8 @@ def first_stats(r: dict[str, float], digits: int | None = 6) -> dict[str, float]
 
 
 def bench_preset(preset: str, args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    from connectors.mcore_learner import MegatronLearner, RLConfig
-    from connectors.model_kit import PRESETS, init_model_dir
+    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig
+    from streamrl.connectors.model_kit import PRESETS, init_model_dir
 
     log(f"{preset}: building the model in {work / preset}")
     model_dir = init_model_dir(work / preset, preset=preset)
@@ -293,7 +293,7 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()  # no weight-loading / shard-writing bars on stderr
 
-    from connectors.mcore_learner import init_single_process
+    from streamrl.connectors.mcore_learner import init_single_process
 
     init_single_process()  # megatron parallel state and gloo group, once for every preset
     (REPO / "runs").mkdir(exist_ok=True)

@@ -25,10 +25,11 @@ sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installe
 
 import lancedb  # noqa: E402
 
+from streamrl.core.types import Sample, SampleGroup, VersionSpan  # noqa: E402
+from streamrl.pools import LancePool  # noqa: E402
+from streamrl.pools.schema import groups_to_table  # noqa: E402
+
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
-from pools import LancePool  # noqa: E402
-from pools.schema import groups_to_table  # noqa: E402
-from streamrl.types import Sample, SampleGroup, VersionSpan  # noqa: E402
 
 GROUP = 64  # samples per group (GRPO n); one append call stores one group
 VOCAB = 151_936  # Qwen2 vocabulary: ids need 18 bits, so int encodings see realistic values

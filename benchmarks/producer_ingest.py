@@ -68,7 +68,7 @@ def make_run(root: Path) -> Path:
 
 
 def synthetic_group(producer_id: str, i: int, rng: np.random.Generator) -> Any:
-    from streamrl.types import Sample, SampleGroup, VersionSpan, make_group_id
+    from streamrl.core.types import Sample, SampleGroup, VersionSpan, make_group_id
 
     samples = []
     for k in range(N_SAMPLES):
@@ -84,7 +84,7 @@ def synthetic_group(producer_id: str, i: int, rng: np.random.Generator) -> Any:
 
 def producer(run_dir: str, index: int, seconds: float, dup_every: int, start: Any, out: Any) -> None:
     """One producer process: lease, generate, submit until the window closes."""
-    from streamrl.producer import ProducerClient
+    from streamrl.producers.sdk import ProducerClient
 
     async def go() -> dict[str, Any]:
         pid = f"bench-{index}"
@@ -129,7 +129,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from streamrl.produce import start_service_process, stop_service_process
+    from streamrl.producers.serve import start_service_process, stop_service_process
 
     run_dir = make_run(work)
     proc, url = start_service_process("run", work, work / "service.log")
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         status = get_status(url, (run_dir / "producer_token").read_text().strip())
     finally:
         stop_service_process(proc)
-    from pools import LancePool
+    from streamrl.pools import LancePool
 
     with LancePool(run_dir / "pool", create=False) as pool:
         led = pool.ledger()

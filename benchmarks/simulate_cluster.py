@@ -243,8 +243,8 @@ def main_simulate(a: argparse.Namespace) -> None:
 def cpu_setup(measured: dict[str, Any], c1_tok_s: float, c64_tok_s: float, max_running: int
               ) -> tuple[Cluster, Workload, dict[str, Any]]:
     """The quick-start as stream_vs_lockstep.py ran it, from what that run measured."""
-    from pools.inspect import pool_query
-    from pools.lance_pool import LancePool
+    from streamrl.pools.inspect import pool_query
+    from streamrl.pools.lance_pool import LancePool
     from streamrl.recipe import load_recipe
 
     r = load_recipe(str(REPO / measured["recipe"]), measured.get("overrides", []))

@@ -34,18 +34,19 @@ os.chdir(REPO)
 
 import msgspec  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
 from streamrl.recipe import load_recipe  # noqa: E402
-from streamrl.runlog import read_jsonl  # noqa: E402
+from streamrl.runtime.runlog import read_jsonl  # noqa: E402
+
+from benchmarks._report import emit, git_rev, machine  # noqa: E402
 
 
 def warm_start(recipe: Any, out: Path) -> Path:
     """The quick-start's SFT phase once, exported as an HF directory every mode starts from."""
     from transformers import AutoTokenizer
 
-    from streamrl.learner import LearnerDriver
-    from streamrl.runlog import RunLog
-    from streamrl.runtime import sft_rows
+    from streamrl.runtime.inputs import sft_rows
+    from streamrl.runtime.learner import LearnerDriver
+    from streamrl.runtime.runlog import RunLog
 
     tok = AutoTokenizer.from_pretrained(recipe.model.path)
     drv = LearnerDriver(recipe, recipe.model.path, pool=False)
@@ -87,11 +88,11 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     base = load_recipe(a.recipe, a.overrides)
     steps = 6 if a.quick else (a.steps or base.run.steps)
-    from streamrl.run import run_async
+    from streamrl.runtime.run import run_async
 
     work = Path(tempfile.mkdtemp(prefix="stream-vs-lockstep-"))
-    from streamrl.runlog import RunLog
-    from streamrl.runtime import prepare_inputs
+    from streamrl.runtime.inputs import prepare_inputs
+    from streamrl.runtime.runlog import RunLog
 
     prepare_inputs(base, RunLog(work / "prepare", echo=False))
     t0 = time.perf_counter()

@@ -4,6 +4,8 @@
 
 Binds 127.0.0.1 unless told otherwise. Bad requests get 4xx with
 `{"error": {"message", "type", "code"}}` and the engine keeps serving.
+
+Long file: one handler per SGLang endpoint the embedded engine speaks, each checked against SGLang's contract.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import msgspec
 import torch
 from aiohttp import web
 
-from connectors import sglang_api as api
-from connectors.engine_core import EngineCore, GenRequest
+from streamrl.connectors import sglang_api as api
+from streamrl.connectors.engine_core import EngineCore, GenRequest
 
 _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refused, not ignored
     "stream": False, "lora_path": None, "custom_logit_processor": None, "return_hidden_states": False,
@@ -302,7 +304,7 @@ class EngineServer:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         req: api.InitGroupReq = await _decode(request, api.InitGroupReq)
-        from connectors.weight_sync import join_group
+        from streamrl.connectors.weight_sync import join_group
 
         try:
             self._group = await asyncio.get_running_loop().run_in_executor(
@@ -318,7 +320,7 @@ class EngineServer:
             raise HTTPError(400, "call /init_weights_update_group first")
         if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
             raise HTTPError(400, "names, dtypes and shapes must have the same length")
-        from connectors.weight_sync import receive
+        from streamrl.connectors.weight_sync import receive
 
         # Receive outside the engine thread (generation goes on), then swap between steps.
         try:
@@ -412,7 +414,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_runnin
     torch.set_num_threads(threads)
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
     server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)
-    from connectors.ports import listen_socket, port_of
+    from streamrl.connectors.ports import listen_socket, port_of
 
     sock = socket.socket(fileno=sock_fd) if sock_fd is not None else listen_socket(host, port)
     if not port:

@@ -34,6 +34,8 @@ restored only from a checkpoint that verified completely.
 
 Single process only (world size 1, as the CPU learner runs): sharded tensor-/pipeline-parallel
 state would need one file set per rank.
+
+Long file: atomic save, load, retention and the HF export share one on-disk layout and its crash points.
 """
 
 from __future__ import annotations

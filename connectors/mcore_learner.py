@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from connectors.mcore_batch import TokenBatch, logprobs_and_entropy
-from streamrl import algorithms as alg
+from streamrl.connectors.mcore_batch import TokenBatch, logprobs_and_entropy
+from streamrl.core import algorithms as alg
 
 
 def init_single_process(seed: int = 0) -> None:
@@ -38,8 +38,8 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, seed: int = 0, *, 
     the other ranks connect to `port`."""
     import torch.distributed as dist
 
-    from connectors import megatron_cpu
-    from connectors.ports import tcp_store
+    from streamrl.connectors import megatron_cpu
+    from streamrl.connectors.ports import tcp_store
 
     megatron_cpu.apply()
     from megatron.core import parallel_state
@@ -116,7 +116,7 @@ class Sample:
 class MegatronLearner:
     def __init__(self, model_dir: str | Path, lr: float = 1e-4, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False) -> None:
-        from connectors.mcore_model import load_model
+        from streamrl.connectors.mcore_model import load_model
 
         self.model, self.bridge = load_model(model_dir)
         self.ref = load_model(model_dir)[0].eval() if with_reference else None
@@ -298,6 +298,6 @@ class MegatronLearner:
         return {**stats, **self._step()}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        from connectors.mcore_model import hf_state_dict
+        from streamrl.connectors.mcore_model import hf_state_dict
 
         return hf_state_dict(self.model, self.bridge)

@@ -16,9 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from connectors.ports import PortTaken, held_by, listen_socket, port_of, process_tree, says_address_in_use, start_on_free_port
-from connectors.sglang_client import SGLangClient
-
+from streamrl.connectors.ports import (
+    PortTaken,
+    held_by,
+    listen_socket,
+    port_of,
+    process_tree,
+    says_address_in_use,
+    start_on_free_port,
+)
+from streamrl.connectors.sglang_client import SGLangClient
 
 if sys.platform.startswith("linux"):
     import ctypes

@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from connectors import sglang_api as api
-from streamrl.types import VersionSpan
+from streamrl.connectors import sglang_api as api
+from streamrl.core.types import VersionSpan
 
 
 class EngineError(Exception):

@@ -12,10 +12,10 @@ os.environ.setdefault("LANCE_LOG", "error")
 
 from typing import TYPE_CHECKING, Any
 
-from pools.base import ExperiencePool, PoolError
+from streamrl.pools.base import ExperiencePool, PoolError
 
 if TYPE_CHECKING:
-    from pools.lance_pool import LancePool
+    from streamrl.pools.lance_pool import LancePool
 
 __all__ = ["ExperiencePool", "LancePool", "PoolError", "open_pool", "resolve_pool_uri"]
 
@@ -24,7 +24,7 @@ def __getattr__(name: str) -> Any:
     # lancedb is imported on first use, not by `import pools`: the `streamrl` driver never opens
     # a pool, and a process that loaded lancedb warns on every subprocess it forks (router, engines).
     if name == "LancePool":
-        from pools.lance_pool import LancePool
+        from streamrl.pools.lance_pool import LancePool
 
         return LancePool
     raise AttributeError(f"module 'pools' has no attribute {name!r}")
@@ -39,6 +39,6 @@ def resolve_pool_uri(run_dir_or_uri: str) -> str:
 
 
 def open_pool(run_dir_or_uri: str, *, create: bool = False, **kwargs: object) -> LancePool:
-    from pools.lance_pool import LancePool
+    from streamrl.pools.lance_pool import LancePool
 
     return LancePool(resolve_pool_uri(run_dir_or_uri), create=create, **kwargs)  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from streamrl.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup
+from streamrl.core.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup
 
 
 class PoolError(Exception):

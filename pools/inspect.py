@@ -15,9 +15,9 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pools.lance_pool import ADMISSIONS_TABLE, LancePool
-from pools.schema import ADMISSIONS_SCHEMA, META_COLUMNS, POOL_SCHEMA
-from streamrl.ledger import compute_ledger
+from streamrl.core.ledger import compute_ledger
+from streamrl.pools.lance_pool import ADMISSIONS_TABLE, LancePool
+from streamrl.pools.schema import ADMISSIONS_SCHEMA, META_COLUMNS, POOL_SCHEMA
 
 STATS_VERSION = 1
 

@@ -5,13 +5,15 @@ Writes go through one committer thread per pool object: concurrent `append`/`adm
 (a commit costs 5-20 ms here whatever its size), and each call returns once its rows are
 committed. Claims update the `status` column in one commit, so a batch is all-or-nothing.
 Only the learner (the claimer) compacts.
+
+Long file: one class implements the pool's contract (group commit, claims, partials, ledger) on two Lance tables.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import concurrent.futures as cf
+import contextlib
 import os
 import queue
 import threading
@@ -26,17 +28,17 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pools.base import PoolError
-from pools.schema import (
+from streamrl.core import staleness
+from streamrl.core.ledger import compute_ledger
+from streamrl.core.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup
+from streamrl.pools.base import PoolError
+from streamrl.pools.schema import (
     ADMISSIONS_SCHEMA,
     POOL_SCHEMA,
     admissions_to_table,
     groups_to_table,
     table_to_groups,
 )
-from streamrl import staleness
-from streamrl.ledger import compute_ledger
-from streamrl.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup, now_ns
 
 POOL_TABLE, ADMISSIONS_TABLE = "pool", "admissions"
 Select = Callable[[list[SampleGroup]], tuple[list[SampleGroup], dict[str, str]]]
@@ -176,7 +178,7 @@ class LancePool:
         self._submit_groups("partial", groups, False)[-1].result()
 
     def _submit_groups(self, kind: str, groups: Sequence[SampleGroup], admit: bool) -> list[cf.Future[None]]:
-        t = now_ns()
+        t = time.time_ns()
         for i, g in enumerate(groups):
             if not g.created_at:
                 g.created_at = t + i  # keeps the caller's order as the oldest-first order
@@ -377,7 +379,7 @@ class LancePool:
         take, mask, drop = staleness.select_groups(
             zip(firsts["group_id"].to_pylist(), firsts["min_version_min"].to_pylist()),
             learner_version, num_groups, max_staleness, policy)
-        t = now_ns()
+        t = time.time_ns()
         if drop:
             _retry_conflicts(lambda: self._pool.update(
                 where=f"status = 'complete' AND group_id IN ({_quote(drop)})",
@@ -419,7 +421,7 @@ class LancePool:
         """Merge small fragments into ~16k-row ones (bounded, so a big fragment is not
         rewritten every time), drop versions older than 10 minutes, and keep the scalar
         indices that make claims fast up to date."""
-        from lancedb.index import BTree, Bitmap
+        from lancedb.index import Bitmap, BTree
 
         for tbl, indexed in ((self._pool, {"group_id": BTree(), "status": Bitmap(), "uid": BTree()}),
                              (self._adm, {"group_id": BTree()})):

@@ -45,7 +45,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from streamrl.types import Admission, Sample, SampleGroup, VersionSpan
+from streamrl.core.types import Admission, Sample, SampleGroup, VersionSpan
 
 SPAN_TYPE = pa.struct([("version", pa.int32()), ("start", pa.int32()), ("end", pa.int32())])
 

@@ -1,10 +1,10 @@
 """An external producer: a separate process runs the calculator environment
 (recipes/envs/calculator.py) against a live run's engines and streams its groups into the run's
-pool through the producer API (streamrl/producer.py), under the run's staleness leases.
+pool through the producer API (streamrl/producers/sdk.py), under the run's staleness leases.
 
     streamrl run recipes/external_producers.yaml                      # terminal 1 (rollout.workers: 0)
-    python -m recipes.external_producer runs/external_producers --producer-id calc-a   # terminal 2
-    python -m recipes.external_producer runs/external_producers --producer-id calc-b   # more of them
+    python -m streamrl.recipes.external_producer runs/external_producers --producer-id calc-a   # terminal 2
+    python -m streamrl.recipes.external_producer runs/external_producers --producer-id calc-b   # more of them
 
 Prompts are taken in a fixed order (the run's data.path unless --data), so group ids are
 deterministic: a producer killed at any moment and started again skips what the pool already
@@ -21,13 +21,13 @@ from typing import Any
 
 import aiohttp
 
-from connectors.sglang_client import SGLangClient
-from recipes.envs.calculator import solve
-from streamrl.agent import Episode, to_samples
-from streamrl.data import PromptSource
-from streamrl.producer import ProducerClient, ProducerError
+from streamrl.connectors.sglang_client import SGLangClient
+from streamrl.core.types import SampleGroup, make_group_id
+from streamrl.plugins.data import PromptSource
+from streamrl.producers.episode import Episode, to_samples
+from streamrl.producers.sdk import ProducerClient, ProducerError
 from streamrl.recipe import load_recipe
-from streamrl.types import SampleGroup, make_group_id
+from streamrl.recipes.envs.calculator import solve
 
 
 async def produce(run_dir: Path, producer_id: str, data: str | None, turns: int, concurrency: int,

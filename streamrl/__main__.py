@@ -1,5 +1,5 @@
 import sys
 
-from streamrl.cli import main
+from streamrl.tools.cli import main
 
 sys.exit(main())

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from streamrl.runtime import Runtime
+from streamrl.runtime.steps import Runtime
 
 OnStep = Callable[[dict[str, Any]], None]
 

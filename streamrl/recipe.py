@@ -5,6 +5,8 @@
 Every problem is reported as `FILE:LINE: key.path: what is wrong` and raises RecipeError
 (the CLI exits with code 2) before any work starts. Extension points are dotted function
 paths `pkg.module:function`, imported and checked at load time.
+
+Long file: the whole recipe schema is one typed tree a reader should see in one place, next to the loader that reports every problem by file, line and key.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from streamrl.types import ConsumptionPolicy, PartialRolloutPolicy
+from streamrl.core.types import ConsumptionPolicy, PartialRolloutPolicy
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -160,7 +162,7 @@ class PoolCfg(_Cfg):
 
 
 class LearnerCfg(_Cfg):
-    """Optimisation and the RL objective (formulas: streamrl/algorithms/)."""
+    """Optimisation and the RL objective (formulas: streamrl/core/algorithms/)."""
 
     lr: PosFloat = 1e-5
     warmup_steps: NonNegInt = 0
@@ -201,9 +203,9 @@ class Recipe(_Cfg):
     run: RunCfg = msgspec.field(default_factory=RunCfg)
     rollout: RolloutCfg = msgspec.field(default_factory=RolloutCfg)
     staleness: StalenessCfg = msgspec.field(default_factory=StalenessCfg)
-    reward: FnRef = msgspec.field(default_factory=lambda: FnRef(fn="streamrl.rewards:exact_match"))
+    reward: FnRef = msgspec.field(default_factory=lambda: FnRef(fn="streamrl.plugins.rewards:exact_match"))
     filters: list[FnRef] = []
-    # agent environment: async fn(task, llm) running the turns of one sample (streamrl/agent.py);
+    # agent environment: async fn(task, llm) running the turns of one sample (streamrl/producers/episode.py);
     # without it each sample is one generation from the prompt
     env: FnRef | None = None
     producer_api: ProducerApiCfg = msgspec.field(default_factory=ProducerApiCfg)
@@ -337,7 +339,11 @@ def resolve_fn(path: str) -> Any:
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to see
-        raise ValueError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e})") from e
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and mod_name.split(".")[0] in ("recipes", "connectors", "pools"):
+            # The example plugins and connectors are installed under streamrl. since the package layout change.
+            hint = f"; the examples are installed as {'streamrl.' + path!r}"
+        raise ValueError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e}){hint}") from e
     fn = getattr(mod, attr, None)
     if fn is None:
         raise ValueError(f"module {mod_name!r} has no attribute {attr!r}")

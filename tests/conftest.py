@@ -20,7 +20,7 @@ def run_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def pool(run_dir: Path):
     """A fresh LanceDB experience pool in RUN_DIR/pool (closed after the test)."""
-    from pools import LancePool
+    from streamrl.pools import LancePool
 
     p = LancePool(run_dir / "pool")
     yield p
@@ -72,7 +72,8 @@ def router_proc(engines):
     """The real sglang-router (round_robin, 127.0.0.1) with both session engines registered."""
     import asyncio
 
-    from connectors.router import Router
+    from streamrl.connectors.router import Router
+
     from enginekit import descendants, pid_alive
 
     router = Router(policy="round_robin").start()

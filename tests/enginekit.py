@@ -41,7 +41,7 @@ def make_model_dir(out: str | Path, seed: int, sharpen: float = SHARPEN) -> Path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from connectors.model_kit import init_model_dir
+    from streamrl.connectors.model_kit import init_model_dir
 
     out = init_model_dir(out, "tiny", seed=seed)
     if sharpen != 1.0:
@@ -144,7 +144,7 @@ class EngineProc:
     """One embedded engine in a subprocess: `serve(model_dir, port=P)` with the default host."""
 
     def __init__(self, model_dir: str | Path, log_path: str | Path) -> None:
-        from connectors.ports import listen_socket, port_of
+        from streamrl.connectors.ports import listen_socket, port_of
 
         self.model_dir = str(model_dir)
         self.log_path = Path(log_path)
@@ -154,7 +154,7 @@ class EngineProc:
         # of ~0.4 s (thread oversubscription); on an idle machine both take ~0.3 s.
         with listen_socket() as sock:  # the engine inherits it: the port is never free to be taken
             self.port = port_of(sock)
-            code = (f"from connectors.engine_server import serve; "
+            code = (f"from streamrl.connectors.engine_server import serve; "
                     f"serve({self.model_dir!r}, port={self.port}, sock_fd={sock.fileno()})")
             self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=self._log,
                                          stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),),

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from streamrl.types import Admission, Sample, SampleGroup, VersionSpan
+from streamrl.core.types import Admission, Sample, SampleGroup, VersionSpan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTS_DIR = Path(__file__).resolve().parent

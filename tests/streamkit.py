@@ -9,6 +9,8 @@ imports the runtime's internals.
     res = run_recipe(recipe, run_dir)          # fails the test with stderr/run.log/engine log tails
     metrics = read_metrics(run_dir)
     stats = assert_ledger_balanced(run_dir)    # `streamrl pool stats RUN_DIR --json`
+
+Long file: the shared helpers every end-to-end test reads a run through.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ STEP_KEYS = ("step", "policy_version", "wall_time_s", "reward_mean", "staleness_
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen2 model directory (connectors.model_kit.init_model_dir, preset tiny, seed 0)
+    """A tiny Qwen2 model directory (streamrl.connectors.model_kit.init_model_dir, preset tiny, seed 0)
     with its 2-D weights sharpened (enginekit.make_model_dir): a fresh tiny model samples from
     an almost uniform distribution, so every version's log-probs would be ~-log(vocab) and a
     log-prob check could not tell versions apart."""
@@ -53,8 +55,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def task_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """streamrl.tasks.write_task: train.jsonl (400 prompts), eval.jsonl, sft.jsonl (unused)."""
-    from streamrl.tasks import write_task
+    """streamrl.plugins.tasks.write_task: train.jsonl (400 prompts), eval.jsonl, sft.jsonl (unused)."""
+    from streamrl.plugins.tasks import write_task
 
     return write_task(tmp_path_factory.mktemp("e2e-data"), seed=0, n_train=400, n_eval=16, n_sft=1)
 
@@ -287,7 +289,7 @@ def run_log(run_dir: Path) -> str:
 
 
 def open_pool(run_dir: Path) -> Any:
-    from pools import LancePool
+    from streamrl.pools import LancePool
 
     return LancePool(run_dir / "pool", create=False)
 
@@ -302,8 +304,8 @@ def pool_rows(run_dir: Path, columns: list[str] | None = None, where: str | None
 
 
 def pool_groups(run_dir: Path, where: str | None = None) -> list[Any]:
-    """SampleGroups (pools.schema.table_to_groups) of the rows matching `where`."""
-    from pools.schema import table_to_groups
+    """SampleGroups (streamrl.pools.schema.table_to_groups) of the rows matching `where`."""
+    from streamrl.pools.schema import table_to_groups
 
     pool = open_pool(run_dir)
     try:

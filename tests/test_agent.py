@@ -1,4 +1,4 @@
-"""Agent environments (streamrl/agent.py, streamrl/openai_proxy.py): the chat-template delta,
+"""Agent environments (streamrl/producers/episode.py, streamrl/producers/openai_proxy.py): the chat-template delta,
 group assembly from episodes, and episodes against a real embedded engine, through the proxy
 with the real `openai` client."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from streamrl.agent import Episode, EpisodeError, chat_delta, to_samples
+from streamrl.producers.episode import Episode, EpisodeError, chat_delta, to_samples
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_to_samples_fails_episodes_without_a_model_turn_or_a_shared_prompt(tok: 
 
 
 def _client(url: str) -> Any:
-    from connectors.sglang_client import SGLangClient
+    from streamrl.connectors.sglang_client import SGLangClient
 
     return SGLangClient(url)
 
@@ -130,7 +130,7 @@ def test_episode_refuses_a_full_context(engine: Any, tok: Any) -> None:
 def test_openai_client_through_the_proxy_records_the_conversation(engine: Any, tok: Any) -> None:
     import openai
 
-    from streamrl.openai_proxy import OpenAIProxy
+    from streamrl.producers.openai_proxy import OpenAIProxy
 
     async def go() -> tuple[Episode, list[str], dict[str, Any]]:
         proxy = OpenAIProxy()
@@ -182,9 +182,9 @@ def test_a_version_update_mid_turn_follows_the_partial_rollout_policy(engine: An
     """Pause the engine (abort) in the middle of a long turn, move it to version 1 and continue:
     abort_resume keeps the version-0 tokens and finishes on version 1; restart starts the turn
     again on version 1."""
-    from enginekit import post_json
-
     import aiohttp
+
+    from enginekit import post_json
 
     async def go() -> Episode | None:
         async with _client(engine.url) as c, aiohttp.ClientSession() as s:

@@ -1,4 +1,4 @@
-"""streamrl.algorithms against an independent plain-Python reference of the formulas.
+"""streamrl.core.algorithms against an independent plain-Python reference of the formulas.
 
 The reference below (`ref_*`) uses only lists, `math` and loops over groups / sequences / tokens:
 no torch vector ops and no calls into streamrl. It is written from the literature:
@@ -17,6 +17,8 @@ no torch vector ops and no calls into streamrl. It is written from the literatur
 Inputs are float32 tensors. The reference reads the very same float32 values (rounded with
 `struct`, see `f32`) in double precision, so the only difference left is float32 arithmetic:
 values must agree within 1e-6 (absolute, or relative for magnitudes above 1).
+
+Long file: an independent plain-Python reference of every formula sits next to the tests that compare against it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import struct
 import pytest
 import torch
 
-from streamrl.algorithms import (
+from streamrl.core.algorithms import (
     aggregate,
     entropy_bonus,
     group_advantages,

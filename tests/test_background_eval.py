@@ -1,4 +1,4 @@
-"""Background evaluation pinned to a version (streamrl/background_eval.py), end to end: a real Ray
+"""Background evaluation pinned to a version (streamrl/runtime/background_eval.py), end to end: a real Ray
 local cluster, a real embedded eval engine started as an EngineActor, two exports with different
 weights evaluated as versions 3 and 5, a full queue, a failing evaluation, and the clean-up."""
 
@@ -35,7 +35,7 @@ def _perturbed(base: Path, out: Path, seed: int) -> Path:
 def ray_cluster():
     import ray
 
-    from connectors.launcher import ensure_ray
+    from streamrl.connectors.launcher import ensure_ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ensure_ray(num_cpus=2)
@@ -50,14 +50,15 @@ def ray_cluster():
 def test_background_eval_pins_each_version(tmp_path: Path, ray_cluster: None) -> None:
     from transformers import AutoTokenizer
 
-    from connectors.sglang_client import SGLangClient
+    from streamrl.connectors.sglang_client import SGLangClient
+    from streamrl.plugins.data import PromptRecord
+    from streamrl.recipe import load_recipe
+    from streamrl.runtime.background_eval import BackgroundEval
+    from streamrl.runtime.rollout import encode_prompt
+    from streamrl.runtime.runlog import RunLog, read_jsonl
+
     from enginekit import hf_greedy, load_model, make_model_dir, pid_alive
     from streamkit import write_recipe
-    from streamrl.background_eval import BackgroundEval
-    from streamrl.data import PromptRecord
-    from streamrl.recipe import load_recipe
-    from streamrl.rollout import encode_prompt
-    from streamrl.runlog import RunLog, read_jsonl
 
     t_start = time.monotonic()
     base = make_model_dir(tmp_path / "base", seed=0)
@@ -67,7 +68,7 @@ def test_background_eval_pins_each_version(tmp_path: Path, ray_cluster: None) ->
     w5 = _perturbed(base, run_dir / "weights" / "v000005", seed=5)
     w7 = _perturbed(base, run_dir / "weights" / "v000007", seed=7)
     recipe = load_recipe(write_recipe(tmp_path, base, tmp_path / "unused.jsonl", {
-        "data.eval_samples": 2, "rollout.max_new_tokens": 5, "reward.fn": "streamrl.rewards:exact_match"}))
+        "data.eval_samples": 2, "rollout.max_new_tokens": 5, "reward.fn": "streamrl.plugins.rewards:exact_match"}))
     tok = AutoTokenizer.from_pretrained(base)
     records = [PromptRecord(epoch=0, index=i, line=i + 1, prompt_id=f"e{i}", prompt=p, label=a,
                             record={"prompt": p, "label": a}) for i, (p, a) in enumerate(PROMPT_TEXTS)]

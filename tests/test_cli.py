@@ -13,10 +13,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pools import LancePool
-from streamrl.cli import main
+from streamrl.core.types import Admission, Sample, SampleGroup, VersionSpan
+from streamrl.pools import LancePool
+from streamrl.tools.cli import main
+
 from poolkit import build_char_tokenizer
-from streamrl.types import Admission, Sample, SampleGroup, VersionSpan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,8 +125,8 @@ def test_bad_pool_dir_is_a_clear_error(filled_run: Path, tmp_path: Path, damage:
 def test_query_while_another_process_writes(tmp_path: Path) -> None:
     writer = textwrap.dedent(f"""
         import sys, numpy as np
-        from pools import LancePool
-        from streamrl.types import Sample, SampleGroup, VersionSpan
+        from streamrl.pools import LancePool
+        from streamrl.core.types import Sample, SampleGroup, VersionSpan
         pool = LancePool({str(tmp_path / 'pool')!r})
         for i in range(400):
             g = SampleGroup(group_id=f"w{{i}}", prompt_id="p", prompt_tokens=[1, 2],

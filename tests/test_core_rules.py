@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from streamrl import spans, staleness
-from streamrl.ledger import compute_ledger
-from streamrl.types import GROUP_STATES, Ledger, VersionSpan, check_spans
+from streamrl.core import spans, staleness
+from streamrl.core.ledger import compute_ledger
+from streamrl.core.types import GROUP_STATES, Ledger, VersionSpan, check_spans
 
 V = VersionSpan
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from streamrl.data import DataError, PromptRecord, PromptSource, read_records
+from streamrl.plugins.data import DataError, PromptRecord, PromptSource, read_records
 
 
 def _jsonl(path: Path, rows: list, raw_lines: dict[int, str] | None = None) -> Path:
@@ -164,12 +164,12 @@ def test_fail_reports_the_first_bad_row(tmp_path: Path):
 def test_skip_collects_messages_and_keeps_the_rest(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     p = _jsonl(tmp_path / "d.jsonl", _rows(5), raw_lines={1: "{oops", 4: '{"prompt": "x"}'})
     p.write_bytes(p.read_bytes() + b'{"prompt": "\xff", "label": 1}\n')  # not UTF-8
-    with caplog.at_level(logging.WARNING, logger="streamrl.data"):
+    with caplog.at_level(logging.WARNING, logger="streamrl.plugins.data"):
         src = PromptSource(p, shuffle=False, on_error="skip")
     assert len(src) == 5
     assert [m.split(": ")[0] for m in src.skipped] == [f"{p}:2", f"{p}:5", f"{p}:8"]
     assert "missing key 'label'" in src.skipped[1]
-    assert len([r for r in caplog.records if r.name == "streamrl.data" and r.levelno == logging.WARNING]) == 3
+    assert len([r for r in caplog.records if r.name == "streamrl.plugins.data" and r.levelno == logging.WARNING]) == 3
     assert [r.label for r in _drain(src)] == ["1", "2", "3", "4", "5"]
 
 
@@ -207,7 +207,7 @@ def test_write_task_chain_rows_continue_problems_with_exact_totals(tmp_path):
     running total plus a digit; chain_turns=1 writes the same files as before the option existed."""
     import re
 
-    from streamrl.tasks import write_task
+    from streamrl.plugins.tasks import write_task
 
     plain = write_task(tmp_path / "a", seed=3, n_train=20, n_eval=4, n_sft=30)
     again = write_task(tmp_path / "b", seed=3, n_train=20, n_eval=4, n_sft=30, chain_turns=1)

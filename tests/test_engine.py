@@ -6,7 +6,10 @@ wheel), loopback binding and the chat template.
 Engines are started once per session (tests/conftest.py `engines`); `engine` resets the first
 one before each test. The model is the tiny Qwen2 with sharpened weights (see
 enginekit.make_model_dir: a freshly initialised tiny model only ever repeats its last prompt
-token under greedy decoding)."""
+token under greedy decoding).
+
+Long file: the embedded engine's whole HTTP API against real engine processes started once per session.
+"""
 
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from connectors import sglang_api as api
-from connectors.ports import listen_socket, port_of
-from connectors.sglang_client import EngineError, SGLangClient
-from streamrl.types import VersionSpan
+from streamrl.connectors import sglang_api as api
+from streamrl.connectors.ports import listen_socket, port_of
+from streamrl.connectors.sglang_client import EngineError, SGLangClient
+from streamrl.core.types import VersionSpan
+
 from enginekit import (
     CACHE_DIR,
     EngineProc,
@@ -194,7 +198,7 @@ def test_weight_sync_broadcast_roundtrip():
 
     import torch
 
-    from connectors.weight_sync import broadcast, create_group, join_group, open_store, receive
+    from streamrl.connectors.weight_sync import broadcast, create_group, join_group, open_store, receive
 
     store = open_store(2)
     sent = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([7, 8], dtype=torch.int64)]
@@ -245,7 +249,7 @@ def test_update_weights_from_disk(engine, model_dirs, ref0, ref1):
 def test_update_weights_from_distributed(engine, ref0, ref1):
     """The test process is the trainer (rank 0 of a gloo group, world size 2); the engine joins
     through /init_weights_update_group and receives every tensor of the seed-1 model."""
-    from connectors.weight_sync import broadcast, create_group, dtype_name, open_store
+    from streamrl.connectors.weight_sync import broadcast, create_group, dtype_name, open_store
 
     store = open_store(2)
     port = store.port
@@ -293,7 +297,7 @@ def test_update_weights_from_distributed_bucketed(engine, ref0, ref1):
     """load_format "flattened_bucket" (as VersionBroadcaster sends it): the learner's packed
     weights in one broadcast; a layout the engine cannot take is a 400 before anything is
     received, and the engine keeps serving."""
-    from connectors.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
+    from streamrl.connectors.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
 
     store = open_store(2)
     port = store.port
@@ -794,9 +798,9 @@ def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
     assert not set(dist) - fields["UpdateWeightsFromDistributedReqInput"]
     assert tensor["load_format"] == "safetensors" and tensor["weight_version"] == "3"
     assert dist["load_format"] == "flattened_bucket" and dist["weight_version"] == "4"
-    from safetensors.torch import load
-
     import base64
+
+    from safetensors.torch import load
     assert torch.equal(load(base64.b64decode(tensor["serialized_named_tensors"][0]))["w"], torch.ones(2))
 
 

@@ -8,8 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from streamkit import (assert_ledger_balanced, check_step_metrics, pool_groups, read_metrics, run_recipe,
-                       task_data, tiny_model, write_recipe)  # noqa: F401 - fixtures
+
+from streamkit import (
+    assert_ledger_balanced,
+    check_step_metrics,
+    pool_groups,
+    read_metrics,
+    run_recipe,
+    task_data,  # noqa: F401 - fixtures
+    tiny_model,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +32,9 @@ def _recipe(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path], mode: 
 
 
 @pytest.mark.parametrize("mode, fn, policy", [
-    ("stream", "recipes.envs.calculator:solve_openai", "in_place"),
-    ("lockstep", "recipes.envs.calculator:solve", "restart"),
-    ("one_step_off", "recipes.envs.calculator:solve", "abort_resume"),
+    ("stream", "streamrl.recipes.envs.calculator:solve_openai", "in_place"),
+    ("lockstep", "streamrl.recipes.envs.calculator:solve", "restart"),
+    ("one_step_off", "streamrl.recipes.envs.calculator:solve", "abort_resume"),
 ])
 def test_env_runs_store_exact_conversations(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                             mode: str, fn: str, policy: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,7 +65,7 @@ def test_env_runs_store_exact_conversations(tmp_path: Path, tiny_model: Path, ta
             assert s.spans[0].start == 0 and s.spans[-1].end == s.num_tokens
     metrics = read_metrics(run_dir)
     assert all(m["loss"] is not None for m in metrics)
-    from streamrl.cli import main
+    from streamrl.tools.cli import main
 
     capsys.readouterr()
     assert main(["pool", "show", str(run_dir), groups[0].group_id]) == 0

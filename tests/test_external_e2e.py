@@ -17,9 +17,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from streamkit import (REPO, assert_ledger_balanced, check_step_metrics, child_env, finish_streamrl, group_rows,
-                       kill_session, pool_rows, read_metrics, start_streamrl, task_data, tiny_model,  # noqa: F401
-                       wait_for, write_recipe)
+
+from streamkit import (
+    REPO,
+    assert_ledger_balanced,
+    check_step_metrics,
+    child_env,
+    finish_streamrl,
+    group_rows,
+    kill_session,  # noqa: F401
+    pool_rows,
+    read_metrics,
+    start_streamrl,
+    task_data,
+    tiny_model,
+    wait_for,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +58,7 @@ def _group(gid: str, n: int, version: int, logprobs: int = 2) -> dict[str, Any]:
 
 def _producer(run_dir: Path, pid: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "recipes.external_producer", str(run_dir), "--producer-id", pid,
+        return subprocess.Popen([sys.executable, "-m", "streamrl.recipes.external_producer", str(run_dir), "--producer-id", pid,
                                  "--turns", "2", "--concurrency", "1", "--limit", "200", "--timeout", "5"],
                                 cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
 
@@ -91,8 +105,13 @@ def test_external_producers_feed_a_live_run(tmp_path: Path, tiny_model: Path, ta
         producers[0].send_signal(signal.SIGKILL)
         producers[0].wait()
         killed_at = _stored(run_dir, "ext-a")
-        # Started again with the same id, it skips what the pool holds; a second producer joins.
-        producers = [_producer(run_dir, "ext-a", logs / "ext-a-2.log"), _producer(run_dir, "ext-b", logs / "ext-b.log")]
+        # Started again with the same id, it skips what the pool holds. Once it stores again (two
+        # more: one may be the killed process's last submission landing late), so it cannot miss the
+        # run, a second producer joins.
+        producers = [_producer(run_dir, "ext-a", logs / "ext-a-2.log")]
+        wait_for(lambda: _stored(run_dir, "ext-a") >= killed_at + 2, 180, "ext-a's groups after its restart",
+                 poll_s=0.2, alive=proc)
+        producers.append(_producer(run_dir, "ext-b", logs / "ext-b.log"))
         finish_streamrl(proc, logs, run_dir=run_dir)
         for p in producers:
             p.wait(60)

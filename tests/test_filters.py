@@ -11,7 +11,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from streamrl.filters import (
+from streamrl.core.types import Sample, SampleGroup, VersionSpan
+from streamrl.plugins.filters import (
     FilterHub,
     min_scored,
     nonzero_std,
@@ -19,7 +20,6 @@ from streamrl.filters import (
     top_by_reward_std,
 )
 from streamrl.recipe import FnRef
-from streamrl.types import Sample, SampleGroup, VersionSpan
 
 FAILED = "failed"  # marks a sample whose generation failed
 ERROR = "error"  # marks a sample whose reward function failed
@@ -91,8 +91,8 @@ def test_hub_first_false_filter_names_the_reason():
     def short_enough(g, max_tokens):
         return all(s.num_tokens <= max_tokens for s in g.samples)
 
-    hub = FilterHub([FnRef(fn="streamrl.filters:min_scored", args={"fraction": 0.5}),
-                     FnRef(fn="streamrl.filters:nonzero_std"),
+    hub = FilterHub([FnRef(fn="streamrl.plugins.filters:min_scored", args={"fraction": 0.5}),
+                     FnRef(fn="streamrl.plugins.filters:nonzero_std"),
                      FnRef(fn=register(short_enough), args={"max_tokens": 0})])
     assert hub.check(group([1.0, ERROR, ERROR])) == "min_scored"
     assert hub.check(group([1.0, 1.0])) == "nonzero_std"
@@ -112,13 +112,13 @@ def test_hub_raising_or_non_bool_filter_drops_and_warns_once(caplog: pytest.LogC
         return np.bool_(True)
 
     hub = FilterHub([FnRef(fn=register(np_bool)), FnRef(fn=register(explodes)), FnRef(fn=register(forgot_return))])
-    with caplog.at_level(logging.WARNING, logger="streamrl.filters"):
+    with caplog.at_level(logging.WARNING, logger="streamrl.plugins.filters"):
         assert [hub.check(group([1.0, 0.0], gid=f"g{i}")) for i in range(3)] == ["explodes_error"] * 3
-    warnings = [r.getMessage() for r in caplog.records if r.name == "streamrl.filters"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "streamrl.plugins.filters"]
     assert len(warnings) == 1 and "explodes" in warnings[0] and "ZeroDivisionError: oops" in warnings[0]
     caplog.clear()
     hub2 = FilterHub([FnRef(fn=register(forgot_return))])
-    with caplog.at_level(logging.WARNING, logger="streamrl.filters"):
+    with caplog.at_level(logging.WARNING, logger="streamrl.plugins.filters"):
         assert hub2.check(group([1.0])) == "forgot_return_error"
     assert "returned NoneType None" in caplog.text
 

@@ -1,4 +1,4 @@
-"""The external producers' intake rules (streamrl/intake.py): which groups are refused and why,
+"""The external producers' intake rules (streamrl/producers/intake.py): which groups are refused and why,
 staleness leases, and the external share of the admission capacity. Pure: no HTTP, no pool."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ import msgspec
 import numpy as np
 import pytest
 
+from streamrl.core import staleness
+from streamrl.core.types import Sample, from_json, from_msgpack, to_json, to_msgpack
+from streamrl.producers import intake
+from streamrl.producers.intake import LeaseBook, LeaseError, check_group, content_sha256, room
+
 from poolkit import make_group
-from streamrl import intake, staleness
-from streamrl.intake import LeaseBook, LeaseError, check_group, content_sha256, room
-from streamrl.types import Sample, from_json, from_msgpack, to_json, to_msgpack
 
 LIMITS = dict(producer_id="env", n_samples=4, vocab_size=50_000, max_tokens=64, published_version=3)
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-
 PROMPT = [5, 17, 42, 99, 7]
 SAMPLING = {"max_new_tokens": 4, "temperature": 0.0}
 
@@ -72,7 +71,7 @@ def _wait_gone(procs: dict[int, int], timeout_s: float) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from connectors.model_kit import init_model_dir
+    from streamrl.connectors.model_kit import init_model_dir
 
     return init_model_dir(tmp_path_factory.mktemp("model") / "tiny", "tiny")
 
@@ -84,7 +83,7 @@ def stack(tmp_path: Path):
     gained still running after that is SIGKILLed."""
     import ray
 
-    from connectors.launcher import ensure_ray
+    from streamrl.connectors.launcher import ensure_ray
 
     before = set(_descendants(os.getpid()))
     seen: dict[int, int] = {}
@@ -112,7 +111,7 @@ def test_engine_commands() -> None:
     import json
     import sys
 
-    from connectors.launcher import engine_command
+    from streamrl.connectors.engine_actor import engine_command
 
     emb = engine_command("embedded", "/m", 1234, weight_version="3", engine_kwargs={"max_running": 8},
                          parent_pid=42)
@@ -134,9 +133,9 @@ def test_engine_commands() -> None:
 def test_launcher_restarts_dead_engine_behind_router(tiny_model: Path, stack: dict) -> None:
     import ray
 
-    from connectors.launcher import EngineLauncher
-    from connectors.router import Router
-    from connectors.sglang_client import SGLangClient
+    from streamrl.connectors.launcher import EngineLauncher
+    from streamrl.connectors.router import Router
+    from streamrl.connectors.sglang_client import SGLangClient
 
     t0 = time.monotonic()
     timings: dict[str, float] = {}

@@ -18,15 +18,14 @@ import pytest
 
 from learnerkit import REPO, model_dir, run_script  # noqa: F401 - model_dir is a fixture
 
-
 # ---------------------------------------------------------------- (1) resume is exact
 
 TRAIN = """
     import sys, json, random
     import numpy as np, torch
     from safetensors.torch import save_file
-    from connectors.mcore_learner import MegatronLearner, init_single_process
-    from connectors import mcore_checkpoint as mc
+    from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
+    from streamrl.connectors import mcore_checkpoint as mc
     model_dir, root, mode, out = sys.argv[1:5]
     init_single_process()
     learner = MegatronLearner(model_dir, lr=3e-3, warmup_steps=5, weight_decay=0.01, micro_batch_size=8)
@@ -95,7 +94,7 @@ def test_resume_from_a_checkpoint_repeats_the_run_exactly(model_dir: Path, first
 CRASH = """
     import sys, os, json, signal, hashlib, time, traceback
     import numpy, safetensors.torch, torch
-    from connectors import mcore_checkpoint as mc
+    from streamrl.connectors import mcore_checkpoint as mc
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports take ~1 s: once, here
 
     class Learner:
@@ -171,7 +170,7 @@ CRASH = """
 
 @pytest.mark.slow
 def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
-    from connectors.mcore_checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+    from streamrl.connectors.mcore_checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 
     root = tmp_path / "ckpt"
     rng = random.Random(0)
@@ -260,7 +259,7 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_checkpoint_is_refused_naming_the_file(first_run: tuple[Path, Path, dict], tmp_path: Path,
                                                          damage: str) -> None:
-    from connectors.mcore_checkpoint import CheckpointError, load_checkpoint, verify_checkpoint
+    from streamrl.connectors.mcore_checkpoint import CheckpointError, load_checkpoint, verify_checkpoint
 
     root = tmp_path / "ckpt"
     shutil.copytree(first_run[0], root)
@@ -280,7 +279,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(first_run: tuple[Path, 
 
 @pytest.mark.slow
 def test_a_damaged_latest_pointer_is_refused(first_run: tuple[Path, Path, dict], tmp_path: Path) -> None:
-    from connectors.mcore_checkpoint import CheckpointError, load_checkpoint
+    from streamrl.connectors.mcore_checkpoint import CheckpointError, load_checkpoint
 
     root = tmp_path / "ckpt"
     shutil.copytree(first_run[0], root)
@@ -295,9 +294,9 @@ def test_a_damaged_latest_pointer_is_refused(first_run: tuple[Path, Path, dict],
 
 EXPORT = """
     import sys, json, torch
-    from connectors.mcore_learner import MegatronLearner, init_single_process
-    from connectors.mcore_batch import TokenBatch
-    from connectors import mcore_checkpoint as mc
+    from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
+    from streamrl.connectors.mcore_batch import TokenBatch
+    from streamrl.connectors import mcore_checkpoint as mc
     model_dir, out, logits_file = sys.argv[1:4]
     init_single_process()
     learner = MegatronLearner(model_dir, lr=1e-2)

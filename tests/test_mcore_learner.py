@@ -9,10 +9,9 @@ import pytest
 
 from learnerkit import model_dir, run_script  # noqa: F401 - model_dir is a fixture
 
-
 SFT = """
     import sys, time, random, json
-    from connectors.mcore_learner import MegatronLearner, init_single_process
+    from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
     init_single_process()
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(sys.argv[1])
@@ -39,10 +38,10 @@ def test_sft_lowers_the_loss_in_under_a_minute(model_dir: Path) -> None:
 
 RL = """
     import sys, json, threading, torch
-    from connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_single_process
+    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_single_process
     init_single_process()
-    from connectors.engine_core import EngineCore, GenRequest
-    from streamrl.algorithms import group_advantages
+    from streamrl.connectors.engine_core import EngineCore, GenRequest
+    from streamrl.core.algorithms import group_advantages
     eng = EngineCore(sys.argv[1])
     threading.Thread(target=eng.run, daemon=True).start()
     done, ev = [], threading.Event()

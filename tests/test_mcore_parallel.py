@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import sys, json, random
     rank, world, tp, port, fd, d = (*map(int, sys.argv[1:6]), sys.argv[6])
-    from connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_distributed
+    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_distributed
     init_distributed(rank, world, tp, seed=0, port=port, listen_fd=fd if rank == 0 else None)
     rng = random.Random(0)
     samples = [Sample(prompt=[rng.randrange(500) for _ in range(5 + g)],
@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def _launch(world: int, tp: int, model: Path, agg: str) -> list[subprocess.Popen[str]]:
-    from connectors.ports import listen_socket, port_of
+    from streamrl.connectors.ports import listen_socket, port_of
 
     with listen_socket() as sock:  # rank 0 serves the store on it (no port to race for)
         fd = sock.fileno()
@@ -51,7 +51,7 @@ def _result(procs: list[subprocess.Popen[str]]) -> list[dict[str, float]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("agg", ["token", "group"])
 def test_tp2_and_dp2_match_one_process(tmp_path: Path, agg: str) -> None:
-    from connectors.model_kit import init_model_dir
+    from streamrl.connectors.model_kit import init_model_dir
 
     model = init_model_dir(tmp_path / "tiny", "tiny")
     single = _launch(1, 1, model, agg)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors import megatron_cpu
+from streamrl.connectors import megatron_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,13 +37,13 @@ def test_patched_spots_still_hard_code_cuda(module: str, name: str, needle: str)
 
 SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
-    from connectors import megatron_cpu
+    from streamrl.connectors import megatron_cpu
     assert megatron_cpu.apply()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
-    from connectors.ports import tcp_store
+    from streamrl.connectors.ports import tcp_store
     dist.init_process_group("gloo", store=tcp_store(1), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     def build():

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl import algorithms as alg
-from streamrl import partial
-from streamrl.learner import batch_metrics, learner_rows
-from streamrl.types import Batch, Sample, SampleGroup, VersionSpan
+from streamrl.core import algorithms as alg
+from streamrl.core import partial
+from streamrl.core.types import Batch, Sample, SampleGroup, VersionSpan
+from streamrl.runtime.learner import batch_metrics, learner_rows
 
 
 def V(v: int, s: int, e: int) -> VersionSpan:

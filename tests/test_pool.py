@@ -1,4 +1,7 @@
-"""The LanceDB experience pool, against real Lance tables in tmp_path (no mocks)."""
+"""The LanceDB experience pool, against real Lance tables in tmp_path (no mocks).
+
+Long file: the pool's whole contract (appends, claims, partials, ledger, compaction, crash recovery) on real tables.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pools import LancePool, PoolError, open_pool
-from pools.schema import POOL_SCHEMA
+from streamrl.core.types import Admission
+from streamrl.pools import LancePool, PoolError, open_pool
+from streamrl.pools.schema import POOL_SCHEMA
+
 from poolkit import (
     admissions_for,
     assert_group_equal,
@@ -25,7 +30,6 @@ from poolkit import (
     partial_of,
     rows_per_group,
 )
-from streamrl.types import Admission
 
 BIG = 10**6  # a staleness bound nothing exceeds
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pools import LancePool
+from streamrl.pools import LancePool
+
 from poolkit import assert_group_equal, make_group, popen_python, rows_per_group
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 PRODUCER = r"""
 import sys, time
-from pools import LancePool
+from streamrl.pools import LancePool
 from poolkit import make_group
 uri, prefix, count, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 pool = LancePool(uri, create=False)
@@ -37,7 +38,7 @@ print("done", count, flush=True)
 
 CLAIMER = r"""
 import json, sys, time
-from pools import LancePool
+from streamrl.pools import LancePool
 uri, expected, per_step, deadline_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 pool = LancePool(uri, create=False, compact_every=16)  # background compaction while producers write
 deadline = time.monotonic() + deadline_s
@@ -60,7 +61,7 @@ print(json.dumps({"claimed": claimed, "nones": nones, "fragments": pool.fragment
 
 KILLABLE = r"""
 import os, sys
-from pools import LancePool
+from streamrl.pools import LancePool
 from poolkit import admissions_for, make_group, partial_of
 uri, side, prefix, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 pool = LancePool(uri, create=False, commit_linger_ms=1)

@@ -1,9 +1,11 @@
 """The producer API end to end: `streamrl produce serve` as a real subprocess on a run directory
-with a real LanceDB pool, spoken to over HTTP by the SDK (streamrl.producer) and by raw aiohttp.
+with a real LanceDB pool, spoken to over HTTP by the SDK (streamrl.producers.sdk) and by raw aiohttp.
 
 The run directory holds what the service reads: recipe.yaml (producer_api enabled, no rollout
 workers, n=4, 2 groups per step, max_staleness 1), the model's config.json and events.jsonl,
 to which tests append version_published lines as a learner would.
+
+Long file: every route and refusal of the producer API against one real service and pool.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import aiohttp
 import pytest
 import yaml
 
+from streamrl.core.types import Admission, VersionPublished, make_group_id, to_json, to_msgpack
+from streamrl.producers.intake import Submission
+from streamrl.producers.sdk import ProducerClient, ProducerError
+from streamrl.producers.serve import start_service_process, stop_service_process
+from streamrl.runtime.runlog import RunLog
+
 from poolkit import make_group
-from streamrl.intake import Submission
-from streamrl.produce import start_service_process, stop_service_process
-from streamrl.producer import ProducerClient, ProducerError
-from streamrl.runlog import RunLog
-from streamrl.types import Admission, VersionPublished, make_group_id, to_json, to_msgpack
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -78,7 +81,7 @@ class Service:
             self.publish(st["version"] + groups)  # each version adds groups_per_step=2 slots
 
     def ledger(self):
-        from pools import LancePool
+        from streamrl.pools import LancePool
 
         with LancePool(self.run / "pool", create=False) as pool:
             return pool.ledger()
@@ -305,8 +308,8 @@ def test_idempotent_submissions_store_each_group_once(svc: Service):
 PRODUCER = textwrap.dedent("""
     import asyncio, sys
     from poolkit import make_group
-    from streamrl.producer import ProducerClient
-    from streamrl.types import make_group_id
+    from streamrl.producers.sdk import ProducerClient
+    from streamrl.core.types import make_group_id
 
     async def main(run_dir, count):
         async with ProducerClient.from_run_dir(run_dir, "killable", timeout_s=20) as c:
@@ -344,7 +347,7 @@ def test_producer_killed_mid_stream_then_restarted_stores_each_group_once(svc: S
     out = [line.split() for line in again.stdout.decode().splitlines()]
     assert out[:3] == [["skip", str(i)] for i in range(3)]
     assert [int(i) for _, i in out] == list(range(count))
-    from pools import LancePool
+    from streamrl.pools import LancePool
 
     with LancePool(svc.run / "pool", create=False) as pool:
         ids = pool.scan(["group_id"], where="producer_id = 'killable'")["group_id"].to_pylist()
@@ -414,7 +417,7 @@ def test_refuses_runs_without_producer_api_or_not_streaming(tmp_path: Path):
 @pytest.mark.filterwarnings("ignore:lance is not fork-safe")  # this process opened the pool, then starts the service
 def test_one_service_per_run_and_a_group_admitted_but_not_stored_is_stored_once(tmp_path: Path):
     run_dir = make_run(tmp_path)
-    from pools import LancePool
+    from streamrl.pools import LancePool
 
     # A service killed between its two commits left this admission without rows.
     orphan = group(0, producer="env")
@@ -437,7 +440,7 @@ def test_one_service_per_run_and_a_group_admitted_but_not_stored_is_stored_once(
 
 
 def test_version_tail_reads_only_whole_new_lines(tmp_path: Path):
-    from streamrl.produce import VersionTail
+    from streamrl.producers.service import VersionTail
 
     path = tmp_path / "events.jsonl"
     tail = VersionTail(path)
@@ -456,7 +459,7 @@ def test_version_tail_reads_only_whole_new_lines(tmp_path: Path):
 
 
 def test_direct_producer_validates_and_is_idempotent(tmp_path: Path):
-    from streamrl.producer import DirectProducer
+    from streamrl.producers.sdk import DirectProducer
 
     uri = tmp_path / "pool"
     gs = [group(i, producer="direct", version=1) for i in range(3)]
@@ -479,7 +482,7 @@ def test_a_failed_pool_write_is_retried_without_a_second_admission(tmp_path: Pat
     the SDK retries the 503, and the group ends up admitted once and stored once."""
     from aiohttp.test_utils import TestServer
 
-    from streamrl.produce import open_service
+    from streamrl.producers.serve import open_service
 
     make_run(tmp_path)
     monkeypatch.chdir(tmp_path)  # recipe paths are relative to the run's working directory

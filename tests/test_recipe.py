@@ -1,4 +1,7 @@
-"""Recipes: loading, defaults, overrides, dump round trip, error messages and the `check` CLI."""
+"""Recipes: loading, defaults, overrides, dump round trip, error messages and the `check` CLI.
+
+Long file: one table-driven test per kind of recipe error, each naming file, line and key.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import msgspec
 import pytest
 import yaml
 
+from streamrl.plugins.rewards import exact_match
 from streamrl.recipe import (
     EnginesCfg,
     FnRef,
@@ -17,16 +21,15 @@ from streamrl.recipe import (
     PoolCfg,
     Recipe,
     RecipeError,
+    RolloutCfg,
+    RunCfg,
+    StalenessCfg,
     apply_overrides,
     dump_recipe,
     load_recipe,
     parse_recipe,
-    RolloutCfg,
-    RunCfg,
-    StalenessCfg,
     resolve_fn,
 )
-from streamrl.rewards import exact_match
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -83,7 +86,7 @@ def test_quickstart_defaults_are_filled():
 def test_minimal_recipe_gets_default_sections():
     r = parse_recipe(MINIMAL)
     assert r.run.name == "run" and r.run_dir == Path("runs/run")
-    assert r.reward == FnRef(fn="streamrl.rewards:exact_match")
+    assert r.reward == FnRef(fn="streamrl.plugins.rewards:exact_match")
     assert r.staleness.max_staleness == 1 and r.staleness.policy == "drop"
 
 
@@ -99,7 +102,7 @@ def test_good_full_recipe_values():
     assert r.data.shuffle is False
     assert r.rollout.temperature == pytest.approx(0.7) and isinstance(r.rollout.temperature, float)
     assert r.staleness.policy == "mask" and r.staleness.partial_rollout == "in_place"
-    assert [f.fn for f in r.filters] == ["streamrl.rewards:exact_match"] * 2
+    assert [f.fn for f in r.filters] == ["streamrl.plugins.rewards:exact_match"] * 2
     assert r.filters[0].args == {"threshold": 0.5} and r.filters[1].args == {}
     assert r.env.args == {"count": 2, "names": ["a", "b"]}
     assert r.pool.commit_linger_ms == 0.0 and isinstance(r.pool.commit_linger_ms, float)
@@ -139,7 +142,7 @@ def test_missing_file_is_a_recipe_error(tmp_path):
         # values are YAML: lists and mappings
         ("reward.args.labels=[a, 2, 3.5]", lambda r: r.reward.args, {"labels": ["a", 2, 3.5]}),
         ("reward.args={k: 1}", lambda r: r.reward.args, {"k": 1}),
-        ("reward.fn=streamrl.rewards:exact_match", lambda r: r.reward.fn, "streamrl.rewards:exact_match"),
+        ("reward.fn=streamrl.plugins.rewards:exact_match", lambda r: r.reward.fn, "streamrl.plugins.rewards:exact_match"),
     ],
 )
 def test_override_parses_yaml_scalars(override, get, expected):
@@ -177,21 +180,21 @@ def test_override_list_items():
     )
     assert r.filters[0].args == {"threshold": 0.25}
     assert r.filters[1].args == {"k": [1, 2]}
-    assert r.filters[1].fn == "streamrl.rewards:exact_match"
+    assert r.filters[1].fn == "streamrl.plugins.rewards:exact_match"
     assert r.env.args == {"count": 5, "names": ["a", "b"]}
 
 
 def test_override_replaces_a_list_item_function_and_checks_it():
     r = load_recipe(GOOD_FULL, ["filters.1.fn=streamrl.recipe:resolve_fn"])
     assert r.filters[1].fn == "streamrl.recipe:resolve_fn"
-    msg = _error(GOOD_FULL, ["filters.1.fn=streamrl.rewards:nope"])
-    assert msg.startswith("override 'filters.1.fn=streamrl.rewards:nope': filters[1].fn: ")
+    msg = _error(GOOD_FULL, ["filters.1.fn=streamrl.plugins.rewards:nope"])
+    assert msg.startswith("override 'filters.1.fn=streamrl.plugins.rewards:nope': filters[1].fn: ")
     assert "no attribute 'nope'" in msg
 
 
 def test_override_whole_list():
-    r = load_recipe(QUICKSTART, ["filters=[{fn: 'streamrl.rewards:exact_match'}]"])
-    assert r.filters == [FnRef(fn="streamrl.rewards:exact_match")]
+    r = load_recipe(QUICKSTART, ["filters=[{fn: 'streamrl.plugins.rewards:exact_match'}]"])
+    assert r.filters == [FnRef(fn="streamrl.plugins.rewards:exact_match")]
 
 
 def test_apply_overrides_reports_origin_paths():
@@ -221,8 +224,8 @@ def test_apply_overrides_reports_origin_paths():
         ("reward.fn=no_colon", "reward.fn: must be a dotted function path"),
         ("reward.fn=streamrl_no_such_module_for_tests:f", "reward.fn: cannot import module"),
         ("rollout.n_samples.deeper=1", "rollout.n_samples is a value, not a section"),
-        ("filters.7.fn=streamrl.rewards:exact_match", "filters has no item 7"),
-        ("filters.x.fn=streamrl.rewards:exact_match", "filters has no item x"),
+        ("filters.7.fn=streamrl.plugins.rewards:exact_match", "filters has no item 7"),
+        ("filters.x.fn=streamrl.plugins.rewards:exact_match", "filters has no item x"),
     ],
 )
 def test_malformed_override_names_the_override(override, fragment):
@@ -238,7 +241,7 @@ def test_bad_override_is_reported_even_when_file_is_fine_otherwise():
 
 
 def test_override_into_missing_list_names_the_override():
-    ov = "filters.0.fn=streamrl.rewards:exact_match"
+    ov = "filters.0.fn=streamrl.plugins.rewards:exact_match"
     msg = _error(QUICKSTART, [ov])
     assert msg.startswith(f"override {ov!r}: "), msg
 
@@ -338,7 +341,7 @@ def test_bad_recipe_message_names_file_line_and_key(name, line, key, fragment):
 def test_overriding_the_bad_key_fixes_the_recipe(name):
     fix = {
         "bad_enum.yaml": "staleness.policy=keep",
-        "bad_fn_attr_missing.yaml": "filters.1.fn=streamrl.rewards:exact_match",
+        "bad_fn_attr_missing.yaml": "filters.1.fn=streamrl.plugins.rewards:exact_match",
     }[name]
     r = load_recipe(RECIPES / name, [fix])
     assert isinstance(r, Recipe)
@@ -410,7 +413,7 @@ def test_cli_check_missing_file_exits_2(tmp_path):
 
 
 def test_learner_section_maps_onto_the_rl_objective():
-    from connectors.mcore_learner import RLConfig
+    from streamrl.connectors.mcore_learner import RLConfig
 
     r = load_recipe(QUICKSTART, ["learner.off_policy=decoupled", "learner.dual_clip=3", "learner.loss_agg=group",
                                  "rollout.temperature=0.7"])
@@ -419,6 +422,12 @@ def test_learner_section_maps_onto_the_rl_objective():
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_recipe_loads(path):
+def test_every_shipped_recipe_loads(path, tmp_path, monkeypatch):
+    if path.name == "starter.yaml":  # `streamrl init`'s recipe names my_rewards.py, written beside it
+        from streamrl.tools.init import init_project
+
+        init_project(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        path = tmp_path / "recipe.yaml"
     r = load_recipe(path)
     assert r.run.steps >= 1 and r.model.path and r.data.path

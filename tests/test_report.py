@@ -1,5 +1,5 @@
-"""`streamrl report` (streamrl/report.py) over a synthetic run directory with a real LanceDB
-pool, and the optional TensorBoard / W&B loggers (streamrl/loggers.py). No Ray, no engines."""
+"""`streamrl report` (streamrl/tools/report.py) over a synthetic run directory with a real LanceDB
+pool, and the optional TensorBoard / W&B loggers (streamrl/tools/loggers.py). No Ray, no engines."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from streamrl.tools.loggers import LoggerUnavailable, open_loggers
+from streamrl.tools.report import load_metrics, report_command, write_report
+
 from poolkit import admissions_for, make_group
-from streamrl.loggers import LoggerUnavailable, open_loggers
-from streamrl.report import load_metrics, report_command, write_report
 
 BIG = 10**6
 PNGS = ["reward.png", "staleness.png", "throughput.png", "drops.png", "learner.png"]

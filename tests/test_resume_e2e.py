@@ -5,7 +5,7 @@ lost or trained on twice, and that groups saved as `partial` before the kill wer
 
 Moments: mid-broadcast (engines paused, new weights not yet pushed), mid-checkpoint (files
 written to the temporary directory, not yet renamed into place), and a random moment between
-steps. The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/faultpoint.py),
+steps. The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/runtime/faultpoint.py),
 so the kill lands exactly there.
 """
 
@@ -20,9 +20,23 @@ import time
 from pathlib import Path
 
 import pytest
-from streamkit import (RUN_TIMEOUT_S, assert_ledger_balanced, describe_run, pool_groups, power_off, read_events,
-                       read_metrics, run_log, run_processes, run_streamrl, start_streamrl, task_data, tiny_model,
-                       write_recipe)
+
+from streamkit import (
+    RUN_TIMEOUT_S,
+    assert_ledger_balanced,
+    describe_run,
+    pool_groups,
+    power_off,
+    read_events,
+    read_metrics,
+    run_log,
+    run_processes,
+    run_streamrl,
+    start_streamrl,
+    task_data,
+    tiny_model,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 __all__ = ["task_data", "tiny_model"]  # fixtures

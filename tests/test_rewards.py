@@ -1,6 +1,9 @@
 """Reward functions (exact_match, math_boxed, f1, remote_rm against a local server) and the
 RewardHub call contract: per-sample / per-group, sync / async, argument filtering, errors
-that never propagate, bad return values and timeouts."""
+that never propagate, bad return values and timeouts.
+
+Long file: each reward function and every RewardHub calling convention and failure.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from connectors.ports import listen_socket, port_of
-from streamrl.rewards import (
+from streamrl.connectors.ports import listen_socket, port_of
+from streamrl.plugins.rewards import (
     RewardHub,
     Scored,
     exact_match,
@@ -144,7 +147,7 @@ def test_remote_rm_number_and_components(monkeypatch: pytest.MonkeyPatch):
                                         "label": {"a": 1}}, "auth": "Bearer s3cret"}
             assert seen[0]["auth"] is None
             # through the hub, with the url from the recipe args
-            hub = RewardHub("streamrl.rewards:remote_rm", {"url": url})
+            hub = RewardHub("streamrl.plugins.rewards:remote_rm", {"url": url})
             assert await hub.score("p", "5", ["plain", "y"]) == [Scored(0.25, {}, None),
                                                                   Scored(1.0, {"format": 0.5}, None)]
 
@@ -174,7 +177,7 @@ def test_remote_rm_errors(monkeypatch: pytest.MonkeyPatch):
                 await remote_rm("slow", "", url=url, timeout_s=0.2)
             with pytest.raises(RuntimeError, match="NO_SUCH_KEY_VAR"):
                 await remote_rm("x", "", url=url, api_key_env="NO_SUCH_KEY_VAR")
-            hub = RewardHub("streamrl.rewards:remote_rm", {"url": url})
+            hub = RewardHub("streamrl.plugins.rewards:remote_rm", {"url": url})
             (s,) = await hub.score("p", "", ["500"])
             assert s.reward is None and s.error.startswith("remote_rm: RuntimeError: POST") and "500" in s.error
             await asyncio.sleep(0.4)  # let the "slow" handler finish before the server stops
@@ -383,11 +386,11 @@ def test_sync_function_returning_awaitable_is_awaited():
 
 
 def test_builtins_through_the_hub():
-    hub = RewardHub("streamrl.rewards:math_boxed")
+    hub = RewardHub("streamrl.plugins.rewards:math_boxed")
     out = run(hub.score("q", r"\boxed{2}", [r"\boxed{2.0}", r"\boxed{3}", "none"]))
     assert [s.reward for s in out] == [1.0, 0.0, 0.0]
-    assert run(RewardHub("streamrl.rewards:f1").score("q", ["a cat"], ["cat"]))[0].reward == 1.0
-    assert run(RewardHub("streamrl.rewards:exact_match").score("q", "5", ["5 "]))[0].reward == 1.0
+    assert run(RewardHub("streamrl.plugins.rewards:f1").score("q", ["a cat"], ["cat"]))[0].reward == 1.0
+    assert run(RewardHub("streamrl.plugins.rewards:exact_match").score("q", "5", ["5 "]))[0].reward == 1.0
 
 
 def test_construction_errors():
@@ -403,7 +406,7 @@ def test_construction_errors():
     with pytest.raises(ValueError, match=r"reward\.fn 'hubfns:missing'.*no attribute 'missing'"):
         RewardHub("hubfns:missing")
     with pytest.raises(ValueError, match=r"needs \['url'\]"):
-        RewardHub("streamrl.rewards:remote_rm")
+        RewardHub("streamrl.plugins.rewards:remote_rm")
     assert RewardHub(register(strict), {"threshold": 1}).per_group is False
 
 

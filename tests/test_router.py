@@ -16,8 +16,9 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from connectors.router import Router
-from connectors.sglang_client import SGLangClient
+from streamrl.connectors.router import Router
+from streamrl.connectors.sglang_client import SGLangClient
+
 from enginekit import (
     descendants,
     get_json,

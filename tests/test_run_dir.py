@@ -1,4 +1,4 @@
-"""Where a new run writes (streamrl/run.py new_run_dir): nothing an earlier run left is ever
+"""Where a new run writes (streamrl/runtime/run.py new_run_dir): nothing an earlier run left is ever
 deleted implicitly. Default runs get a fresh dated directory and runs/<name> links to the newest;
 an explicit directory that holds a run is refused (exit 2, before anything starts) unless
 --overwrite."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from streamrl.cli import main
 from streamrl.recipe import load_recipe
-from streamrl.run import RunExists, holds_run, new_run_dir
+from streamrl.runtime.run import RunExists, holds_run, new_run_dir
+from streamrl.tools.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from streamkit import REPO, assert_ledger_balanced, child_env, finish_streamrl, pool_stats, run_streamrl, start_streamrl
+
+from streamkit import assert_ledger_balanced, child_env, finish_streamrl, pool_stats, run_streamrl, start_streamrl
 
 pytestmark = pytest.mark.slow
 
@@ -85,8 +86,8 @@ def other_cluster(tmp_path_factory: pytest.TempPathFactory):
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """Overrides that make recipes/quickstart.yaml short, on a model and task built here once
     (two runs at once must not both generate them)."""
-    from connectors.model_kit import init_model_dir
-    from streamrl.tasks import write_task
+    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.plugins.tasks import write_task
 
     root = tmp_path_factory.mktemp("qs-inputs")
     init_model_dir(root / "model", "tiny", 0)

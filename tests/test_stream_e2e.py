@@ -17,6 +17,8 @@ Runs are expensive (25-60 s, mostly start-up), so a few runs are shared by sever
 Helpers: tests/streamkit.py (running, reading a run directory, log-prob oracles), test reward
 functions: tests/rewardkit.py. Run with `pytest tests/test_stream_e2e.py` (about 5 minutes on 2
 busy cores; deselect with `-m 'not slow'`).
+
+Long file: the runs are expensive, so several behaviours are checked on the same shared runs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Typed payloads: msgpack / JSON round trips, dtype coercion, validation, events, Ledger."""
+"""Typed payloads: msgpack / JSON round trips, dtype coercion, validation, events, Ledger.
+
+Long file: every wire type's round trips and validation errors.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from streamrl.types import (
+from streamrl.core.types import (
     GROUP_STATES,
     Admission,
     Batch,

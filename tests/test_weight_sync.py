@@ -8,7 +8,7 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from connectors.weight_sync import (
+from streamrl.connectors.weight_sync import (
     BUCKET_FORMAT,
     broadcast,
     create_group,
@@ -122,8 +122,8 @@ def test_receive_refuses_an_unknown_load_format():
 
 
 def test_engine_load_checks_the_whole_update_first(tmp_path):
-    from connectors.engine_core import EngineCore
-    from connectors.model_kit import init_model_dir
+    from streamrl.connectors.engine_core import EngineCore
+    from streamrl.connectors.model_kit import init_model_dir
 
     core = EngineCore(init_model_dir(tmp_path / "m", "tiny"))
     own = core.model.state_dict()

@@ -6,7 +6,7 @@ It adds a chain of numbers one at a time: the model answers "397+8=", the agent'
 tool evaluates the expression exactly and sends the running total with the next number back as
 a tool message ("405+5="), and so on. It returns the model's answer to every step.
 
-    python -m recipes.agents.calculator_agent --base-url http://127.0.0.1:8000/v1 --api-key KEY 397 8 5 2
+    python -m streamrl.recipes.agents.calculator_agent --base-url http://127.0.0.1:8000/v1 --api-key KEY 397 8 5 2
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ import random
 import re
 from typing import Any
 
-from recipes.agents.calculator_agent import calculator
-from recipes.agents.calculator_agent import run as run_agent
+from streamrl.recipes.agents.calculator_agent import calculator
+from streamrl.recipes.agents.calculator_agent import run as run_agent
 
 
 def chain(task: dict[str, Any], turns: int) -> list[int]:

@@ -1,0 +1,278 @@
+"""One inference engine process, started, watched and restarted from a Ray actor (`EngineActor`):
+
+- on CPU, the embedded engine: `python -c "...serve(model_dir, host, port, sock_fd, ...)"`, on a
+  listening socket the actor bound to a free port and the process inherits (connectors/ports.py);
+- on a GPU node (`backend="sglang"`, or `"auto"` where the actor sees CUDA), real SGLang:
+  `python -m sglang.launch_server --model-path DIR --host 127.0.0.1 --port P
+  --weight-version V --tp-size N [extra args]` (run through `runpy` under the same shim),
+  started again on another port if P was taken before SGLang bound it.
+
+Both speak the same HTTP API. Every engine binds 127.0.0.1; its stdout/stderr go to
+`LOG_DIR/engine-<i>.log` (appended across restarts). The engine runs in its own process group
+(stopped with SIGTERM, then SIGKILL, to the whole group) and a watchdog thread inside the engine
+process exits as soon as its parent (the actor) is gone, so `ray.kill`, `ray.shutdown` or a
+crashed driver also take the engines down. `streamrl/connectors/launcher.py` runs N of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from streamrl.connectors.ports import (
+    PortTaken,
+    held_by,
+    listen_socket,
+    port_of,
+    process_tree,
+    says_address_in_use,
+    start_on_free_port,
+)
+
+BACKENDS = ("embedded", "sglang", "auto")
+
+# Runs inside the engine process before the engine itself: argv[1] is the actor's pid, argv[2]
+# the backend, the rest its arguments. The watchdog makes the engine exit with its actor.
+_SHIM = r"""# streamrl engine process (connectors/engine_actor.py)
+import os, sys, threading, time
+_parent = int(sys.argv[1])
+def _watchdog():
+    while True:
+        if os.getppid() != _parent:
+            os._exit(70)
+        time.sleep(0.25)
+threading.Thread(target=_watchdog, name="parent-watchdog", daemon=True).start()
+_backend, _args = sys.argv[2], sys.argv[3:]
+if _backend == "embedded":
+    import json
+    from streamrl.connectors.engine_server import serve
+    serve(**json.loads(_args[0]))
+else:
+    import runpy
+    sys.argv = ["sglang.launch_server", *_args]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+"""
+
+
+def engine_command(backend: str, model_dir: str, port: int, *, host: str = "127.0.0.1", weight_version: str = "0",
+                   tp: int = 1, extra_args: Sequence[str] = (), engine_kwargs: dict[str, Any] | None = None,
+                   parent_pid: int | None = None, sock_fd: int | None = None) -> list[str]:
+    """The engine process's command line. `backend` is "embedded" (`serve(**kwargs)`, which
+    takes `engine_kwargs` such as max_running, seed, and `sock_fd`: a listening socket the
+    process inherits, bound to `port` by the parent with streamrl.connectors.ports.listen_socket; pass it
+    in Popen's pass_fds) or "sglang" (`sglang.launch_server` with `extra_args` appended, which
+    binds `port` itself). Both run under the shim's parent watchdog (`parent_pid`: the pid the
+    engine must not outlive, default this process)."""
+    head = [sys.executable, "-u", "-c", _SHIM, str(parent_pid or os.getpid()), backend]
+    if backend == "embedded":
+        if extra_args:
+            raise ValueError(f"extra_args are for backend='sglang'; the embedded engine takes "
+                             f"engine_kwargs (got {list(extra_args)})")
+        kw = {"model_dir": str(model_dir), "host": host, "port": int(port), "weight_version": str(weight_version),
+              **({"sock_fd": sock_fd} if sock_fd is not None else {}), **(engine_kwargs or {})}
+        return [*head, json.dumps(kw)]
+    if backend == "sglang":
+        if engine_kwargs:
+            raise ValueError(f"engine_kwargs are for backend='embedded'; pass SGLang options as extra_args "
+                             f"(got {engine_kwargs})")
+        return [*head, "--model-path", str(model_dir), "--host", host, "--port", str(port),
+                "--weight-version", str(weight_version), "--tp-size", str(tp), *map(str, extra_args)]
+    raise ValueError(f"no engine command for backend {backend!r}")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@ray.remote(num_cpus=1, max_restarts=0)
+class EngineActor:
+    """One engine process (embedded or SGLang), started, watched and restarted from this actor.
+
+    Methods return plain values; `start()`/`restart()` return once the engine answers
+    `GET /health` and raise (with the log's tail) when it exits or times out first.
+    """
+
+    def __init__(self, index: int, model_dir: str, backend: str = "embedded", log_dir: str | None = None,
+                 weight_version: str = "0", tp: int = 1, extra_args: Sequence[str] = (),
+                 engine_kwargs: dict[str, Any] | None = None, host: str = "127.0.0.1",
+                 startup_timeout_s: float = 600, stop_grace_s: float = 10) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.index, self.model_dir, self.host = index, str(model_dir), host
+        self.requested_backend = backend
+        self.weight_version, self.tp = str(weight_version), int(tp)
+        self.extra_args = [str(a) for a in extra_args]
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.startup_timeout_s, self.stop_grace_s = startup_timeout_s, stop_grace_s
+        self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "engine-logs"
+        self.log_path = self.log_dir / f"engine-{index}.log"
+        self.backend: str | None = None  # resolved on first start
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+        self.starts = 0
+        self._log_start = 0  # where the current start's output begins in the log
+
+    # ------------------------------------------------------------ process
+
+    def _resolve_backend(self) -> str:
+        if self.backend is None:
+            want = self.requested_backend
+            if want == "embedded":
+                self.backend = "embedded"
+            else:
+                cuda = _cuda_available()
+                if want == "sglang" and not cuda:
+                    raise RuntimeError("backend='sglang' needs a GPU: torch.cuda.is_available() is False in "
+                                       "this actor (schedule it with num_gpus, or use backend='embedded')")
+                self.backend = "sglang" if cuda else "embedded"
+        return self.backend
+
+    def _spawn(self, port: int, sock: socket.socket | None = None) -> None:
+        """Start the engine process on `port`; `sock` (embedded) is the socket already listening
+        there, which the process inherits."""
+        self.port = port
+        cmd = engine_command(self._resolve_backend(), self.model_dir, port, host=self.host,
+                             weight_version=self.weight_version, tp=self.tp, extra_args=self.extra_args,
+                             engine_kwargs=self.engine_kwargs, sock_fd=sock.fileno() if sock else None)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n===== engine {self.index} start #{self.starts} backend={self.backend} "
+                      f"port={port} {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
+            out.flush()
+            self._log_start = out.tell()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env=env, pass_fds=(sock.fileno(),) if sock else ())
+
+    def _start_at(self, port: int, sock: socket.socket | None = None) -> None:
+        self._spawn(port, sock)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self._terminate()
+            raise
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        url = self.url() + "/health"
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                if says_address_in_use(self._log_since_start()):  # SGLang binds its port itself: try another
+                    raise PortTaken(f"engine {self.index}: port {self.port} was taken")
+                raise RuntimeError(f"engine {self.index} exited with {code} while starting; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        if held_by(self.port, process_tree(self.proc.pid)) is False:
+                            raise PortTaken(f"engine {self.index}: port {self.port} is held by another process")
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self._terminate()
+                raise TimeoutError(f"engine {self.index} not healthy at {url} within {self.startup_timeout_s}s; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def _log_since_start(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _terminate(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _kill_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # Whatever else is left in the engine's process group (SGLang's scheduler processes).
+        _kill_group(proc.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------ API
+
+    def start(self) -> str:
+        """Start the engine (if not running) and wait until it is healthy; returns its URL.
+        The embedded engine inherits a socket bound here to a free port; SGLang, which takes
+        only a number, is started again on another port if its port was taken meanwhile."""
+        if self.alive():
+            return self.url()
+        self._terminate()
+        if self._resolve_backend() == "embedded":
+            with listen_socket(self.host) as sock:
+                self._start_at(port_of(sock), sock)
+        else:
+            start_on_free_port(self._start_at, self.host)
+        return self.url()
+
+    def restart(self, model_dir: str | None = None, weight_version: str | int | None = None) -> str:
+        """Stop the engine (if any) and start it again on a new port, optionally from other
+        weights (e.g. the newest checkpoint) and with another weight version."""
+        if model_dir is not None:
+            self.model_dir = str(model_dir)
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        self._terminate()
+        return self.start()
+
+    def stop(self) -> None:
+        self._terminate()
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}" if self.port else ""
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    def info(self) -> dict[str, Any]:
+        return {"index": self.index, "backend": self.backend, "url": self.url(), "pid": self.pid(),
+                "alive": self.alive(), "starts": self.starts, "actor_pid": os.getpid(),
+                "log": str(self.log_path), "model_dir": self.model_dir, "weight_version": self.weight_version}
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"".join(collections.deque(f, maxlen=lines)).decode(errors="replace")
+        except OSError:
+            return ""

@@ -1,0 +1,163 @@
+"""Version broadcaster: pushes each new policy version from the learner to every engine.
+
+Paths (recipe `engines.weight_sync`):
+- `distributed`: a torch.distributed group of its own (gloo on CPU, NCCL on GPU); the learner is
+  rank 0 and broadcasts the weights in buckets (connectors/weight_sync.py) while every engine
+  receives them through SGLang's `/update_weights_from_distributed` (load_format
+  "flattened_bucket", one request per bucket). The group is re-formed when the set of engines changes
+  (an engine restarted); a push that fails falls back to disk for that version.
+- `disk`: the learner writes HF safetensors, engines load them (`/update_weights_from_disk`).
+(SGLang's `/update_weights_from_tensor` carries pickled tensors; StreamRL sends no pickle over
+the network, so that path is not offered. The embedded engine takes it with safetensors blobs
+instead: benchmarks/broadcast.py measures it.)
+
+In-flight generations follow the partial-rollout policy: `abort_resume`/`restart` pause the
+engines in `abort` mode (requests return what they have; the rollout worker resubmits them),
+`in_place` pauses them in place (they continue on the new weights). `interrupt=False` (lockstep,
+one-step-off: nothing is in flight) updates without pausing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from streamrl.connectors.router import Router
+from streamrl.core.types import EnginePaused, EngineResumed, VersionPublished
+from streamrl.runtime import faultpoint
+from streamrl.runtime.runlog import RunLog, now_ns
+
+
+class _UseDisk(Exception):
+    pass
+
+
+class VersionBroadcaster:
+    def __init__(self, router: Router, learner: Any, weight_sync: str, policy: str, run_dir: Path, log: RunLog,
+                 host: str = "127.0.0.1", keep_weights: int = 2) -> None:
+        self.router, self.learner, self.weight_sync, self.policy = router, learner, weight_sync, policy
+        self.weights_dir = run_dir / "weights"
+        self.log, self.host, self.keep_weights = log, host, keep_weights
+        self._group_urls: tuple[str, ...] = ()
+        self._group_gen = 0
+        self._meta: Any = None
+        self.version = 0
+        self.history: list[dict[str, Any]] = []
+        self.bucketed = True  # distributed: weight_sync's buckets (SGLang's flattened_bucket)
+
+    async def _ensure_group(self) -> None:
+        urls = tuple(sorted(self.router.workers))
+        if urls == self._group_urls:
+            return
+        self._group_gen += 1
+        name = f"streamrl-weights-{self._group_gen}"
+        await self.learner.drop_weight_group.remote()
+        port = await self.learner.open_weight_store.remote(self.host, len(urls) + 1)
+        init = self.learner.init_weight_group.remote(len(urls) + 1, name)
+        await asyncio.gather(init, *(self.router.workers[u].init_weights_update_group(
+            self.host, port, i + 1, len(urls) + 1, name, "nccl" if self._meta_is_cuda() else "gloo")
+            for i, u in enumerate(urls)))
+        self._group_urls, self._group_name = urls, name
+        if self._meta is None:
+            self._meta = await self.learner.weights_meta.remote()
+
+    @staticmethod
+    def _meta_is_cuda() -> bool:
+        import torch
+
+        return torch.cuda.is_available()
+
+    async def _push_distributed(self, version: int) -> None:
+        from streamrl.connectors.weight_sync import BUCKET_FORMAT, plan_buckets
+
+        await self._ensure_group()
+        names, dtypes, shapes = self._meta
+        # One request per bucket, in the order the learner broadcasts them; the version is set
+        # with the last one. bucketed=False: SGLang's default, one broadcast per tensor.
+        parts = plan_buckets(dtypes, shapes) if self.bucketed else [range(len(names))]
+
+        async def engine(c: Any) -> None:
+            for k, b in enumerate(parts):
+                await c.update_weights_from_distributed(
+                    names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop],
+                    weight_version=version if k == len(parts) - 1 else None, group_name=self._group_name,
+                    load_format=BUCKET_FORMAT if self.bucketed else None)
+
+        await asyncio.gather(self.learner.push_weights.remote(self.bucketed),
+                             *(engine(c) for c in self.router.workers.values()))
+
+    async def push_disk(self, version: int,
+                        clients: dict[str, Any] | None = None) -> tuple[str, dict[str, BaseException]]:
+        """Export `version` to disk and have the engines load it; returns the path and the engines that failed."""
+        path = str(self.weights_dir / f"v{version:06d}")
+        if not Path(path, "config.json").exists():
+            await self.learner.export.remote(path)
+        clients = self.router.workers if clients is None else clients
+        failed = await self._each(clients, lambda c: c.update_weights_from_disk(path, weight_version=version))
+        if self.keep_weights:
+            for old in sorted(self.weights_dir.glob("v*"))[:-self.keep_weights]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path, failed
+
+    async def _each(self, clients: dict[str, Any], call: Any) -> dict[str, BaseException]:
+        """Run `call(client)` on every engine; returns the engines that failed (dead or dying:
+        the launcher restarts them, and a restarted engine loads the current version itself)."""
+        res = await asyncio.gather(*(call(c) for c in clients.values()), return_exceptions=True)
+        return {u: r for u, r in zip(clients, res) if isinstance(r, BaseException)}
+
+    async def publish(self, version: int, step: int, interrupt: bool = True) -> dict[str, Any]:
+        """Make every live engine serve `version`; returns timings (pause window, push)."""
+        workers = self.router.workers
+        mode = None
+        if interrupt:
+            mode = "in_place" if self.policy == "in_place" else "abort"
+        t0 = time.perf_counter()
+        failed: dict[str, BaseException] = {}
+        if mode:
+            failed = await self._each(workers, lambda c: c.pause(mode))
+            for u in workers:
+                if u not in failed:
+                    self.log.event(EnginePaused(engine=u, mode=mode, at=now_ns()))
+        live = {u: c for u, c in workers.items() if u not in failed}
+        faultpoint.reached("publish", self.weights_dir.parent)
+        t_push = time.perf_counter()
+        path = self.weight_sync
+        try:
+            if self.weight_sync != "distributed" or failed:
+                raise _UseDisk()
+            await self._push_distributed(version)
+        except Exception as e:  # noqa: BLE001 - an engine died: re-form the group next time, use disk now
+            if not isinstance(e, _UseDisk):
+                self.log.warn(f"weight push of version {version} over {self.weight_sync} failed ({e!r}); using disk")
+            self._group_urls = () if self.weight_sync == "distributed" else self._group_urls
+            path, disk_failed = await self.push_disk(version, live)
+            failed |= disk_failed
+        push_s = time.perf_counter() - t_push
+        if mode:
+            failed |= await self._each({u: c for u, c in live.items() if u not in failed}, lambda c: c.resume())
+            for u in live:
+                if u not in failed:
+                    self.log.event(EngineResumed(engine=u, version=version, at=now_ns()))
+        for u, e in failed.items():
+            self.log.warn(f"engine {u} did not take version {version} ({type(e).__name__}: {e}); "
+                          "the launcher restarts dead engines with the current weights")
+        self.version = version
+        self.log.event(VersionPublished(version=version, step=step, at=now_ns()))
+        out = {"version": version, "push_s": push_s, "pause_s": time.perf_counter() - t0 if mode else 0.0,
+               "path": path, "failed_engines": len(failed)}
+        self.history.append(out)
+        return out
+
+    async def on_engine_restart(self, index: int, url: str) -> None:
+        """A restarted engine loads the current version from disk before it takes traffic."""
+        from streamrl.connectors.sglang_client import SGLangClient
+
+        path = str(self.weights_dir / f"v{self.version:06d}")
+        if not Path(path, "config.json").exists():
+            await self.learner.export.remote(path)
+        async with SGLangClient(url) as c:
+            await c.update_weights_from_disk(path, weight_version=self.version)
+        self._group_urls = ()  # the weight group must include the new engine

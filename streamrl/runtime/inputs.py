@@ -1,0 +1,74 @@
+"""What a run reads before anything starts: the tiny model and task data it may build, the
+datasets it checks, the SFT rows and the held-out prompts (also used by replay and benchmarks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from streamrl.recipe import Recipe
+from streamrl.runtime import RunFailed
+from streamrl.runtime.runlog import RunLog
+
+
+def prepare_inputs(r: Recipe, log: RunLog) -> None:
+    """Build what the recipe says to build when missing: the tiny model, the task data."""
+    if r.model.init is not None and not (Path(r.model.path) / "config.json").exists():
+        from streamrl.connectors.model_kit import init_model_dir
+
+        init_model_dir(r.model.path, r.model.init.preset, r.model.init.seed)
+    if r.data.generate is not None and not Path(r.data.path).exists():
+        from streamrl.recipe import resolve_fn
+
+        resolve_fn(r.data.generate.fn)(out_dir=str(Path(r.data.path).parent), **r.data.generate.args)
+    for what, path in (("model.path", Path(r.model.path) / "config.json"), ("data.path", Path(r.data.path)),
+                       ("data.eval_path", Path(r.data.eval_path) if r.data.eval_path else None),
+                       ("sft.path", Path(r.sft.path) if r.sft else None)):
+        if path is not None and not path.exists():
+            hint = " (add model.init to build a tiny model, or `streamrl model init DIR`)" if what == "model.path" else ""
+            raise RunFailed(f"{what}: {path} does not exist{hint}")
+    # Read every dataset once now, so a malformed row stops the run before anything starts.
+    from streamrl.plugins.data import DataError, PromptSource
+
+    d = r.data
+    checks = [(d.path, d.prompt_key, d.label_key)]
+    if d.eval_path:
+        checks.append((d.eval_path, d.prompt_key, d.label_key))
+    if r.sft is not None:
+        checks.append((r.sft.path, r.sft.prompt_key, r.sft.response_key))
+    for path, pk, lk in checks:
+        try:
+            src = PromptSource(path, pk, lk, shuffle=False, on_error=d.on_error)
+        except DataError as e:
+            raise RunFailed(str(e)) from None
+        for msg in src.skipped:
+            log.warn(f"skipped a malformed row: {msg}")
+
+
+def sft_rows(r: Recipe, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids + eos) for the SFT warm-start; prompts encoded as rollouts encode them."""
+    from streamrl.plugins.data import PromptSource
+    from streamrl.runtime.rollout import encode_prompt
+
+    s = r.sft
+    assert s is not None
+    src = PromptSource(s.path, s.prompt_key, s.response_key, shuffle=False, on_error=r.data.on_error)
+    rows = []
+    while (rec := src.next()) is not None:
+        resp = list(tokenizer(str(rec.label), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        rows.append((encode_prompt(tokenizer, rec.prompt), resp))
+    return rows
+
+
+def eval_records(r: Recipe) -> list[Any]:
+    """The held-out prompts evaluations use (data.eval_path, the first data.eval_size)."""
+    from streamrl.plugins.data import PromptSource
+
+    d = r.data
+    if not d.eval_path:
+        return []
+    src = PromptSource(d.eval_path, d.prompt_key, d.label_key, shuffle=False, on_error=d.on_error)
+    recs = []
+    while (rec := src.next()) is not None and (d.eval_size is None or len(recs) < d.eval_size):
+        recs.append(rec)
+    return recs

@@ -1,0 +1,338 @@
+"""Learner driver: claims batches from the pool, trains the megatron learner, hands out weights.
+
+Runs as a Ray actor in a run (one process owns the model, the optimizer and the pool's claim
+side). `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
+bound and consumption policy, turns them into learner rows (group advantages over the samples
+that were scored; failed samples are left out), takes one optimizer step and returns the
+step's metrics, including which groups it used. The version it publishes is `learner.version`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamrl.core import algorithms as alg
+from streamrl.core.types import Batch, SampleGroup
+from streamrl.recipe import Recipe
+
+
+def learner_rows(groups: list[SampleGroup], method: str) -> tuple[list[Any], list[float]]:
+    """Learner rows (streamrl.connectors.mcore_learner.Sample) and the scored rewards of a batch."""
+    from streamrl.connectors.mcore_learner import Sample as Row
+
+    rows, rewards = [], []
+    scored_groups = []
+    for g in groups:
+        scored = [s for s in g.samples if not s.failed and s.reward is not None and s.num_tokens > 0]
+        scored_groups.append(scored)
+        rewards += [float(s.reward) for s in scored]  # type: ignore[arg-type]
+    sizes = {len(s) for s in scored_groups if s}
+    if len(sizes) == 1:  # every group complete: one tensor, batch-level methods (reinforce_pp) exact
+        full = [s for s in scored_groups if s]
+        adv = alg.group_advantages(torch.tensor([[s.reward for s in grp] for grp in full], dtype=torch.float32),
+                                   method).tolist() if full else []  # type: ignore[arg-type]
+        adv_iter = iter(adv)
+        advs = [next(adv_iter) if grp else [] for grp in scored_groups]
+    else:  # groups with failed samples: advantages within each group's scored samples
+        advs = [alg.group_advantages(torch.tensor([[s.reward for s in grp]], dtype=torch.float32),  # type: ignore[arg-type]
+                                     method if len(grp) > 1 or method == "dr_grpo" else "dr_grpo")[0].tolist()
+                if grp else [] for grp in scored_groups]
+    for gi, (g, grp, a) in enumerate(zip(groups, scored_groups, advs)):
+        prompt = g.prompt_tokens.tolist()
+        for s, adv in zip(grp, a):
+            rows.append(Row(prompt=prompt, response=s.response_tokens.tolist(), advantage=float(adv),
+                            rollout_logprobs=s.rollout_logprobs.tolist(), group=gi,
+                            loss_mask=s.loss_mask.tolist()))
+    return rows, rewards
+
+
+def batch_order(groups: list[SampleGroup]) -> list[SampleGroup]:
+    """The order a step trains its groups in (oldest started first): a replay re-creates it from the pool alone."""
+    return sorted(groups, key=lambda g: (g.created_at, g.group_id))
+
+
+def batch_metrics(batch: Batch, rewards: list[float]) -> dict[str, Any]:
+    stal = [batch.learner_version - (g.min_version if g.min_version is not None else batch.learner_version)
+            for g in batch.groups]
+    return {"reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+            "staleness_mean": float(np.mean(stal)) if stal else 0.0,
+            "staleness_max": int(max(stal, default=0)),
+            "dropped_stale": len(batch.dropped),
+            "dropped_over_sampling": len(batch.rejected),
+            "masked_tokens": batch.masked_tokens,
+            "groups": [g.group_id for g in batch.groups],
+            "dropped_ids": list(batch.dropped) + list(batch.rejected),
+            "samples": batch.num_samples}
+
+
+class WeightSource:
+    """The learner's side of weight sync over `hf_state_dict()`: the disk export, the weight
+    group and the broadcast. LearnerDriver is one; benchmarks/broadcast.py holds fixed weights."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = str(model_dir)
+        self._group: Any = None
+        self._store: Any = None
+        self._pinned: dict[int, dict[str, torch.Tensor]] = {}  # versions a background evaluation will export
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def export(self, out_dir: str, version: int | None = None) -> str:
+        """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model),
+        or of the pinned `version` (background evaluation: later steps may have trained meanwhile)."""
+        from streamrl.connectors.mcore_checkpoint import export_hf
+
+        if version is None:
+            return str(export_hf(self, self.model_dir, out_dir))
+        if version not in self._pinned:
+            raise KeyError(f"version {version} was not kept for export (kept: {sorted(self._pinned)})")
+        return str(export_hf(_Weights(self._pinned.pop(version)), self.model_dir, out_dir))
+
+    def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
+        from streamrl.connectors.weight_sync import dtype_name
+
+        state = self.hf_state_dict()
+        return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
+
+    def open_weight_store(self, host: str, world_size: int) -> int:
+        """First half of forming the weight group: its store, served here; returns its port."""
+        from streamrl.connectors.weight_sync import open_store
+
+        self._store = open_store(world_size, host)
+        return int(self._store.port)
+
+    def init_weight_group(self, world_size: int, group_name: str) -> None:
+        """Second half: rank 0 of the group (returns once every engine has joined)."""
+        from streamrl.connectors.weight_sync import create_group
+
+        assert self._store is not None, "open_weight_store first"
+        self._group = create_group(self._store, world_size, group_name,
+                                   backend="nccl" if torch.cuda.is_available() else "gloo")
+
+    def drop_weight_group(self) -> None:
+        self._group = self._store = None
+
+    def push_weights(self, bucketed: bool = False) -> None:
+        """Broadcast the weights to the engines (rank 0 of the weight group), in buckets or
+        (`bucketed=False`) one tensor at a time: as the engines were told (weight_sync)."""
+        from streamrl.connectors.weight_sync import broadcast
+
+        assert self._group is not None, "init_weight_group first"
+        broadcast(self._group, list(self.hf_state_dict().values()), bucketed=bucketed)
+
+
+class LearnerDriver(WeightSource):
+    def __init__(self, recipe: Recipe, model_dir: str, pool: bool = True) -> None:
+        from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, init_single_process
+
+        if recipe.learner.cpus:
+            os.sched_setaffinity(0, recipe.learner.cpus)
+        torch.set_num_threads(recipe.learner.threads)
+        init_single_process(recipe.run.seed)
+        super().__init__(model_dir)
+        lc = recipe.learner
+        self.r = recipe
+        self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
+                                       micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0)
+        self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature)
+        self.pool = None
+        if pool:
+            from streamrl.pools import LancePool
+
+            self.pool = LancePool(recipe.pool_uri, commit_linger_ms=recipe.pool.commit_linger_ms,
+                                  compact_every=recipe.pool.compact_every)
+        # The weights engines get are a copy taken right after each step, so they can be pushed
+        # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self.last_step = -1  # the learner step the current weights come from (-1: none yet)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ SFT warm-start
+
+    def sft(self, rows: list[tuple[list[int], list[int]]], steps: int, lr: float, batch_size: int,
+            seed: int = 0) -> list[float]:
+        """Cross-entropy steps on (prompt, response) rows; afterwards the RL optimizer starts
+        fresh at version 0 and the reference model (for KL) is the warm-started policy."""
+        rl_lr = self.learner.opt.param_groups[0]["lr"]
+        for g in self.learner.opt.param_groups:
+            g["lr"] = lr
+        rng = np.random.default_rng(seed)
+        losses = []
+        for _ in range(steps):
+            idx = rng.choice(len(rows), size=min(batch_size, len(rows)), replace=False)
+            losses.append(self.learner.sft_step([rows[i] for i in idx])["loss"])
+        self.learner.opt = torch.optim.AdamW(self.learner.params, lr=rl_lr, weight_decay=0.0)
+        lc = self.r.learner
+        self.learner.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.learner.opt, lambda s: min(1.0, (s + 1) / lc.warmup_steps) if lc.warmup_steps else 1.0)
+        self.learner.version = 0
+        if self.learner.ref is not None:
+            self.learner.ref.load_state_dict(self.learner.model.state_dict())
+        return losses
+
+    # ------------------------------------------------------------ RL
+
+    @property
+    def version(self) -> int:
+        return self.learner.version
+
+    def train_step(self, step: int, max_staleness: int, timeout_s: float = 600) -> dict[str, Any] | None:
+        """Claim a batch (waiting up to `timeout_s` for enough complete groups), train, return metrics;
+        None when no batch became ready in time."""
+        from streamrl.plugins.filters import top_by_reward_std
+        from streamrl.runtime.evaluate import eval_due
+
+        assert self.pool is not None
+        ro, st = self.r.rollout, self.r.staleness
+        k = math.ceil(ro.groups_per_step * ro.over_sampling)
+        select = None
+        if k > ro.groups_per_step:
+            def select(groups: list[SampleGroup]) -> tuple[list[SampleGroup], dict[str, str]]:
+                kept, rest = top_by_reward_std(groups, ro.groups_per_step)
+                return kept, {g.group_id: "over_sampling" for g in rest}
+        t_wait = time.perf_counter()
+        deadline = t_wait + timeout_s
+        while True:
+            batch = self.pool.claim(step, self.version, k, max_staleness, st.policy, select=select)
+            if batch is not None:
+                break
+            if time.perf_counter() > deadline:
+                return None
+            time.sleep(0.05)
+        wait_s = time.perf_counter() - t_wait
+        batch.groups = batch_order(batch.groups)
+        m, rewards = self._train(step, batch.groups)
+        if self.r.run.eval_mode == "background" and eval_due(self.r.run, self.version):
+            assert self._snapshot is not None
+            self._pinned[self.version] = self._snapshot  # kept whole until `export(..., version)` takes it
+        return {"step": step, "policy_version": self.version, "wait_s": wait_s, **m, **batch_metrics(batch, rewards)}
+
+    def _train(self, step: int, groups: list[SampleGroup]) -> tuple[dict[str, Any], list[float]]:
+        from streamrl.connectors.weight_sync import pack
+
+        rows, rewards = learner_rows(groups, self.r.learner.advantage)
+        t0 = time.perf_counter()
+        with self._lock:
+            stats = self.learner.rl_step(rows, self.cfg) if rows else {}
+            self.last_step = step
+            self._snapshot = pack(self.learner.hf_state_dict())  # a copy, laid out as the broadcast sends it
+        train_s = time.perf_counter() - t0
+        tokens = sum(len(r.response) for r in rows)
+        return {"train_s": train_s, "train_tokens": tokens,
+                "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0, **stats}, rewards
+
+    def retrain(self, step: int, group_ids: list[str], max_staleness: int) -> dict[str, Any]:
+        """Train on the groups a past step consumed, as that step did (resume, replay)."""
+        from streamrl.core import staleness
+
+        assert self.pool is not None
+        groups = batch_order(self.pool.groups(group_ids))
+        missing = set(group_ids) - {g.group_id for g in groups}
+        if missing:
+            raise RuntimeError(f"step {step}: groups {sorted(missing)[:3]} are not in the pool")
+        if self.r.staleness.policy == "mask":
+            for g in groups:
+                v = g.consumed_version if g.consumed_version is not None else self.version
+                if staleness.decide(v, g.min_version if g.min_version is not None else v, max_staleness,
+                                    "mask") == "mask":
+                    staleness.mask_stale_tokens(g, v, max_staleness)
+        m, rewards = self._train(step, groups)
+        return {"step": step, "policy_version": self.version, "groups": [g.group_id for g in groups],
+                "samples": sum(len(g.samples) for g in groups),
+                "reward_mean": float(np.mean(rewards)) if rewards else float("nan"), **m}
+
+    def consumed_steps(self, first: int = 0, last: int | None = None) -> dict[int, list[str]]:
+        assert self.pool is not None
+        return self.pool.consumed_steps(first, last)
+
+    def restore(self, root: str, version: int | None = None) -> dict[str, Any] | None:
+        """Load the newest checkpoint under `root` (or the one of `version`): model, optimizer,
+        scheduler, RNG, policy version. Returns its `extra`, or None when there is none."""
+        from streamrl.connectors.mcore_checkpoint import latest_checkpoint, load_checkpoint
+
+        if version is None and latest_checkpoint(root) is None:
+            return None
+        with self._lock:
+            extra = load_checkpoint(self.learner, root, step=version)
+            self._snapshot = None
+            self.last_step = int(extra.get("step", self.version - 1))
+        return extra
+
+    # ------------------------------------------------------------ weights
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The newest published weights (HF names)."""
+        if self._snapshot is not None:
+            return self._snapshot
+        from streamrl.connectors.weight_sync import pack
+
+        with self._lock:
+            return pack(self.learner.hf_state_dict())
+
+    def checkpoint(self, root: str, extra: dict[str, Any]) -> dict[str, Any]:
+        """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step
+        may have trained since the caller asked: the next step overlaps the publish in stream mode).
+        Returns {path, step, version}."""
+        from streamrl.connectors import mcore_checkpoint
+        from streamrl.connectors.mcore_checkpoint import save_checkpoint
+        from streamrl.runtime import faultpoint
+
+        if os.environ.get(faultpoint.ENV):
+            mcore_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
+        with self._lock:
+            step = self.last_step
+            path = save_checkpoint(self.learner, root, extra={**extra, "step": step},
+                                   keep_last=self.r.run.keep_checkpoints or None)
+            return {"path": str(path), "step": step, "version": self.version}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def learner_actor(num_cpus: float = 1, num_gpus: float = 0) -> Any:
+    import ray
+
+    # Three threads: a weight push and an evaluation export run while the next step trains.
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=3)(_ActorLearner)
+
+
+class _Weights:
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+
+def quiet_megatron() -> None:
+    """megatron-core announces every missing GPU extra (TE, Apex) once per import: not news on CPU."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
+    warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
+    hf_logging.disable_progress_bar()
+
+
+class _ActorLearner(LearnerDriver):
+    def __init__(self, recipe_json: bytes, model_dir: str, tokenizer_dir: str) -> None:
+        import msgspec
+
+        quiet_megatron()
+        super().__init__(msgspec.json.decode(recipe_json, type=Recipe), model_dir)
+        assert self.pool is not None
+        self.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it
+
+    def ping(self) -> int:
+        return self.version
+

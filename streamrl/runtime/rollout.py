@@ -1,0 +1,446 @@
+"""Rollout worker: prompts -> groups of n responses through the router -> rewards -> filters -> pool.
+
+One asyncio loop per worker (a Ray actor in a run), many groups in flight. Two ways to drive it:
+`stream()` starts groups continuously under admission control (`streamrl.core.staleness`) until
+stopped; `generate(k)` produces exactly k accepted groups and returns (lockstep, one-step-off).
+
+Every engine call's tokens, log-probs and version spans are folded into a `Trajectory`
+(`streamrl.core.partial`): an aborted call (a version update with `abort_resume`, or an engine that
+died) is resubmitted as prompt + tokens so far, and the group is saved to the pool as
+`partial` meanwhile, so a crash loses no generated token. A reward function that raises marks
+that sample failed; a filter drops the group with its reason; both release the admission slot.
+
+With a recipe `env`, each sample is an episode of the user's environment function instead
+(streamrl/producers/episode.py): multi-turn, token-in/token-out, with an OpenAI-compatible endpoint
+(streamrl/producers/openai_proxy.py) for agents that only speak that API.
+
+Long file: one worker's generation loop (admission, partial rollouts, rewards, filters, pool writes) reads best as one class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+from streamrl.connectors import sglang_api as api
+from streamrl.connectors.sglang_client import ENGINE_FAILURES, SGLangClient
+from streamrl.core import partial, staleness
+from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_group_id
+from streamrl.plugins.data import PromptRecord, PromptSource
+from streamrl.plugins.filters import FilterHub
+from streamrl.plugins.rewards import RewardHub
+from streamrl.producers import episode as agent
+from streamrl.recipe import Recipe
+from streamrl.runtime.runlog import RunLog, now_ns
+
+log = logging.getLogger("streamrl.runtime.rollout")
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
+    """Chat messages go through the tokenizer's chat template; text is tokenized as is."""
+    if isinstance(prompt, list):
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def decode_response(tokenizer: Any, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+class RolloutWorker:
+    def __init__(self, recipe: Recipe, router_url: str, index: int = 0, num_workers: int = 1,
+                 version: int = 0, data_state: dict | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from streamrl.pools import LancePool
+
+        self.r, self.index, self.num_workers = recipe, index, num_workers
+        self.producer_id = f"rollout-{index}"
+        d = recipe.data
+        self.source = PromptSource(d.path, d.prompt_key, d.label_key, d.shuffle, d.seed, d.epochs, d.on_error)
+        if data_state:
+            self.source.restore(data_state)
+        self._admitted_state = self.source.state()  # where the source stood after the last admission
+        self._known: set[str] = set()  # groups admitted before a resume: their prompts are not drawn again
+        self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path)
+        self.pool = LancePool(recipe.pool_uri, commit_max_rows=recipe.pool.commit_max_rows,
+                              commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0)
+        self.client = SGLangClient(router_url, connect_retries=2)
+        self.log = RunLog(recipe.run_dir, echo=False)
+        self.rewards = RewardHub(recipe.reward.fn, recipe.reward.args)
+        self.env = agent.EnvHub(recipe.env.fn, recipe.env.args) if recipe.env else None
+        self.proxy: Any = None  # the OpenAI-compatible endpoint env episodes get (started by _resume)
+        if self.env is not None:
+            from transformers import AutoConfig
+
+            self.max_context = int(AutoConfig.from_pretrained(recipe.model.path).max_position_embeddings)
+        self.filters = FilterHub(recipe.filters)
+        ro = recipe.rollout
+        self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
+        self.version = version
+        self.max_staleness = recipe.staleness.max_staleness
+        self.policy = recipe.staleness.partial_rollout
+        self.started = 0  # admitted groups still counting against capacity (filtered ones release)
+        self.inflight: dict[str, asyncio.Task[None]] = {}
+        self.stats: Counter[str] = Counter()
+        self.drops: Counter[str] = Counter()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._accepted = 0
+        self._failed_in_a_row = 0
+        self._last_failure: str | None = None
+        self.exhausted = False
+
+    # ------------------------------------------------------------ control (called by the driver)
+
+    def set_version(self, version: int, max_staleness: int | None = None) -> None:
+        self.version = version
+        if max_staleness is not None:
+            self.max_staleness = max_staleness
+        self._wake.set()
+
+    def capacity(self) -> int:
+        """This worker's share of the admission capacity."""
+        total = staleness.admission_capacity(self.version, self.max_staleness, self.r.rollout.groups_per_step)
+        shares = staleness.capacity_shares(self.r.rollout.workers, self.r.producer_api.enabled)
+        return staleness.capacity_share(total, self.index, shares)
+
+    def report(self) -> dict[str, Any]:
+        return {"producer": self.producer_id, "version": self.version, "started": self.started,
+                "inflight": len(self.inflight), "accepted": self._accepted, "exhausted": self.exhausted,
+                "data_state": self._admitted_state, "drops": dict(self.drops), **self.stats}
+
+    async def stop(self) -> None:
+        """Stop starting groups and wait for the ones in flight (their partials are saved)."""
+        self._stopping = True
+        self._wake.set()
+        if self.inflight:
+            await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.stop()
+        if self.proxy is not None:
+            await self.proxy.close()
+        await self.client.close()
+        self.pool.close()
+
+    # ------------------------------------------------------------ drivers
+
+    async def stream(self) -> dict[str, Any]:
+        """Start groups while admission control allows, until stopped or out of prompts."""
+        await self._resume()
+        while not self._stopping:
+            self._check_failing()
+            room = min(self.capacity() - self.started, self.r.rollout.max_concurrency - len(self.inflight))
+            if room <= 0:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if not await self._start(room):
+                break
+        return self.report()
+
+    async def generate(self, num_groups: int) -> dict[str, Any]:
+        """Produce exactly `num_groups` accepted groups (filtered or failed ones are replaced)."""
+        await self._resume()
+        target = self._accepted + num_groups
+        while self._accepted < target and not self._stopping:
+            self._check_failing()
+            room = min(target - self._accepted - len(self.inflight), self.r.rollout.max_concurrency - len(self.inflight))
+            if room > 0:
+                if await self._start(room):
+                    continue
+                if not self.inflight:
+                    break
+            self._wake.clear()
+            await self._wake.wait()
+        return self.report()
+
+    # ------------------------------------------------------------ groups
+
+    def _next_record(self) -> PromptRecord | None:
+        while (rec := self.source.next()) is not None:
+            if rec.index % self.num_workers == self.index and \
+                    make_group_id(self.producer_id, rec.epoch, rec.index) not in self._known:
+                return rec
+        self.exhausted = True
+        return None
+
+    async def _start(self, count: int) -> int:
+        """Start up to `count` groups, admitted in one commit (a commit costs 5-20 ms: admitting
+        groups one by one would be most of a small step's time). Returns how many started."""
+        recs = []
+        while len(recs) < count and (rec := self._next_record()) is not None:
+            recs.append(rec)
+        if not recs:
+            return 0
+        n, t = self.r.rollout.n_samples, now_ns()
+        gids = [make_group_id(self.producer_id, rec.epoch, rec.index) for rec in recs]
+        await self.pool.admit_async([Admission(group_id=gid, prompt_id=rec.prompt_id, n=n, producer_id=self.producer_id,
+                                               version=self.version, admitted_at=t + k)
+                                     for k, (gid, rec) in enumerate(zip(gids, recs))])
+        self._admitted_state = self.source.state()
+        for k, (gid, rec) in enumerate(zip(gids, recs)):
+            self._launch_new(gid, rec, t + k)
+        return len(recs)
+
+    def _launch_new(self, gid: str, rec: PromptRecord, admitted_ns: int) -> None:
+        # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
+        meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
+                "admitted_ns": admitted_ns}
+        if self.env is not None:
+            task = {"prompt": rec.prompt, "label": rec.label, "id": rec.prompt_id, "record": rec.record}
+            self._track(gid, self._run_env_group(gid, rec.prompt_id, meta, task))
+            return
+        prompt_ids = encode_prompt(self.tokenizer, rec.prompt)
+        trajs = [partial.Trajectory(prompt=prompt_ids, max_new_tokens=self.r.rollout.max_new_tokens)
+                 for _ in range(self.r.rollout.n_samples)]
+        self._launch(gid, rec.prompt_id, meta, trajs)
+
+    def _launch(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
+        self._track(gid, self._run_group(gid, prompt_id, meta, trajs))
+
+    def _track(self, gid: str, coro: Any) -> None:
+        self.started += 1
+        task = asyncio.create_task(coro, name=gid)
+        self.inflight[gid] = task
+        task.add_done_callback(lambda _t: (self.inflight.pop(gid, None), self._wake.set()))
+
+    async def _resume(self) -> None:
+        """Pick up what this producer left in the pool (a stopped or killed run): `partial` groups
+        continue from their saved tokens, groups admitted but never stored start again, the
+        prompts of every admitted group are not drawn again, and admission control counts the
+        groups already started."""
+        if getattr(self, "_resumed", False):
+            return
+        self._resumed = True
+        if self.env is not None:
+            from streamrl.producers.openai_proxy import OpenAIProxy
+
+            self.proxy = OpenAIProxy()
+            await self.proxy.start()
+        known = self.pool.producer_groups(self.producer_id)
+        self._known = set(known)
+        self.started = sum(1 for st, _ in known.values() if st not in (None, "partial", "dropped", "failed"))
+        for g in self.pool.partial_groups(self.producer_id):
+            prompt = g.prompt_tokens.tolist()
+            trajs = [partial.from_sample(s, prompt, self.r.rollout.max_new_tokens) for s in g.samples]
+            self.stats["resumed_groups"] += 1
+            self._launch(g.group_id, g.prompt_id, {"admitted_ns": g.created_at, **g.metadata}, trajs)
+        for gid, (st, admitted_ns) in known.items():
+            if st is None:
+                _, epoch, index = gid.rsplit(":", 2)
+                self.stats["restarted_groups"] += 1
+                self._launch_new(gid, self.source.record(int(epoch[1:]), int(index[1:])), admitted_ns)
+
+    async def _run_group(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory]) -> None:
+        state = {"saving": None}
+        try:
+            await self._generate(gid, trajs, meta, prompt_id, state)
+            if state["saving"] is not None:
+                await state["saving"]
+            await self._store(await self._finish(gid, prompt_id, meta, trajs))
+        except Exception as e:  # noqa: BLE001 - one broken group must not stop the worker
+            self._group_error(gid, e)
+
+    async def _run_env_group(self, gid: str, prompt_id: str, meta: dict[str, Any], task: dict[str, Any]) -> None:
+        """The recipe's environment runs each sample's episode (streamrl/producers/episode.py); episodes are
+        not saved as partial: an environment's state cannot be stored, so a crash restarts the group."""
+        try:
+            eps = [agent.Episode(self.client, self.tokenizer, sampling=self.sampling,
+                                 max_new_tokens=self.r.rollout.max_new_tokens, max_context=self.max_context,
+                                 policy=self.policy, retries=partial.ENGINE_RETRIES) for _ in range(self.r.rollout.n_samples)]
+            keys = [self.proxy.open(ep) for ep in eps]
+            try:
+                outs = await asyncio.gather(*(self.env.run({**task, "sample": i}, ep) for i, ep in enumerate(eps)))
+            finally:
+                for k in keys:
+                    self.proxy.close_session(k)
+            for ep in eps:
+                self.stats["gen_tokens"] += ep.stats["gen_tokens"]
+                self.stats["interrupted_calls"] += ep.stats["interruptions"]
+                self.stats["engine_errors"] += ep.stats["engine_errors"]
+            prompt, samples = agent.to_samples(eps)
+            await self._score_episodes(meta, samples, outs, eps)
+            await self._store(self._group(gid, prompt_id, prompt, samples, meta))
+        except Exception as e:  # noqa: BLE001 - one broken group must not stop the worker
+            self._group_error(gid, e)
+
+    async def _score_episodes(self, meta: dict[str, Any], samples: list[Any], outs: list[tuple[Any, str | None]],
+                              eps: list[agent.Episode]) -> None:
+        """An environment's number or {"reward": ...} is the reward; a string is an answer and
+        None means its last turn: both are scored by reward.fn against the label."""
+        answers = {i: out if isinstance(out, str) else (eps[i].turns[-1] if eps[i].turns else "")
+                   for i, (out, err) in enumerate(outs)
+                   if err is None and not samples[i].failed and (out is None or isinstance(out, str))}
+        scored = dict(zip(answers, await self.rewards.score(meta.get("prompt"), meta.get("label"),
+                                                            list(answers.values()), meta)))
+        for i, (s, (out, err)) in enumerate(zip(samples, outs)):
+            if s.failed:
+                s.error = err or s.error  # the environment's own error says more than "no model turn"
+                continue
+            sc = scored.get(i) or (None if err else self.rewards.convert(out))
+            s.reward, s.rewards = (None, {}) if sc is None or sc.reward is None else (sc.reward, dict(sc.components))
+            s.error = err or (sc.error if sc else None)
+            s.failed = s.error is not None
+        self.stats["failed_samples"] += sum(s.failed for s in samples)
+
+    async def _store(self, group: SampleGroup) -> None:
+        await self.pool.append_async([group])
+        self.log.event(GroupAppended(group_ids=[group.group_id], status=group.status, producer_id=self.producer_id,
+                                     at=now_ns()))
+        if group.status == "complete":
+            self._accepted += 1
+            self._failed_in_a_row = 0
+            self.stats["groups_complete"] += 1
+        else:
+            self.started -= 1  # a dropped or failed group does not use up staleness capacity
+            self.stats[f"groups_{group.status}"] += 1
+            if group.status == "failed":
+                self._failed_in_a_row += 1
+                self._last_failure = group.drop_reason
+
+    def _group_error(self, gid: str, e: Exception) -> None:
+        log.exception("group %s failed; it stays in flight in the ledger", gid)
+        self.stats["group_errors"] += 1
+        self._failed_in_a_row += 1
+        self._last_failure = f"{type(e).__name__}: {e}"
+
+    def _check_failing(self) -> None:
+        """Every sample of many groups in a row failed (engines unreachable, a reward function that
+        always raises): stop instead of replacing them forever."""
+        limit = max(8, 2 * self.r.rollout.groups_per_step)
+        if self._failed_in_a_row >= limit:
+            raise RuntimeError(f"{self.producer_id}: the last {self._failed_in_a_row} groups all failed; the last "
+                               f"error: {self._last_failure}")
+
+    async def _generate(self, gid: str, trajs: list[partial.Trajectory], meta: dict[str, Any], prompt_id: str,
+                        state: dict[str, Any]) -> None:
+        """Generate the group's unfinished responses, one batched /generate per remaining budget
+        (a group's samples usually share it), until every response is finished."""
+        failures = 0
+        while not all(t.done for t in trajs):
+            by_budget: dict[int, list[int]] = {}
+            for i, t in enumerate(trajs):
+                if not t.done:
+                    by_budget.setdefault(t.remaining, []).append(i)
+            # No rids: sglang-router 0.3.2 refuses a list of them (422), and we abort by pausing, not by rid.
+            calls = [self.client.generate_batch(
+                [partial.next_request(trajs[i])[0] for i in idx],
+                api.SamplingParams(**self.sampling, max_new_tokens=budget)) for budget, idx in by_budget.items()]
+            aborted = failed = False
+            for idx, res in zip(by_budget.values(), await asyncio.gather(*calls, return_exceptions=True)):
+                if isinstance(res, ENGINE_FAILURES):
+                    # Nothing came back from this call (e.g. its engine died): resubmit from what we have.
+                    failed, error = True, f"{type(res).__name__}: {res}"
+                    self.stats["engine_errors"] += 1
+                    continue
+                if isinstance(res, BaseException):
+                    raise res
+                for i, r in zip(idx, res):
+                    self.stats["gen_tokens"] += len(r.output_ids)
+                    partial.absorb(trajs[i], r.output_ids, r.logprobs, r.version_spans(), r.finish_type, self.policy)
+                    if r.finish_type == "abort":
+                        aborted = True
+                        self.stats["interrupted_calls"] += 1
+            if aborted and state["saving"] is None:
+                state["saving"] = asyncio.create_task(self._save_partial(gid, prompt_id, meta, trajs, state))
+            if failed:
+                failures += 1
+                if failures >= partial.ENGINE_RETRIES:
+                    for t in trajs:
+                        if not t.done:
+                            t.error = f"generation failed {failures} times in a row: {error}"
+                    return
+                await asyncio.sleep(min(5.0, 0.2 * failures))
+            else:
+                failures = 0
+
+    async def _save_partial(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory],
+                            state: dict[str, Any]) -> None:
+        state["saving"] = None
+        group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=trajs[0].prompt,
+                            samples=[partial.to_sample(t, i) for i, t in enumerate(trajs)],
+                            producer_id=self.producer_id, metadata=meta, created_at=meta.get("admitted_ns", 0))
+        await self.pool.save_partial_async([group])
+        self.stats["partial_saves"] += 1
+
+    async def _finish(self, gid: str, prompt_id: str, meta: dict[str, Any],
+                      trajs: list[partial.Trajectory]) -> SampleGroup:
+        texts = [decode_response(self.tokenizer, t.tokens) for t in trajs]
+        scored = await self.rewards.score(meta.get("prompt"), meta.get("label"), texts, meta)
+        samples = []
+        for i, (t, sc) in enumerate(zip(trajs, scored)):
+            s = partial.to_sample(t, i)
+            gen_error = t.error
+            s.reward, s.rewards = (None, {}) if gen_error else (sc.reward, dict(sc.components))
+            s.error = gen_error or sc.error
+            s.failed = s.error is not None
+            if s.failed:
+                self.stats["failed_samples"] += 1
+            samples.append(s)
+        return self._group(gid, prompt_id, trajs[0].prompt, samples, meta)
+
+    def _group(self, gid: str, prompt_id: str, prompt: list[int], samples: list[Any], meta: dict[str, Any]) -> SampleGroup:
+        """The finished group: failed when every sample failed, dropped when a filter says so."""
+        group = SampleGroup(group_id=gid, prompt_id=prompt_id, prompt_tokens=prompt, samples=samples,
+                            producer_id=self.producer_id, metadata=meta, created_at=meta.get("admitted_ns", 0))
+        if all(s.failed for s in samples):
+            group.status, group.drop_reason = "failed", samples[0].error
+        elif (reason := self.filters.check(group)) is not None:
+            group.status, group.drop_reason = "dropped", reason
+            self.drops[reason] += 1
+        return group
+
+
+def worker_actor(num_cpus: float = 0.5) -> Any:
+    """The Ray actor class for a rollout worker (async: its methods share one event loop)."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_concurrency=1000)(_ActorWorker)
+
+
+class _ActorWorker:
+    """Ray wrapper: builds the worker inside the actor's event loop."""
+
+    def __init__(self, recipe_json: bytes, router_url: str, index: int, num_workers: int, version: int,
+                 data_state: dict | None) -> None:
+        import msgspec
+
+        logging.basicConfig(level=logging.WARNING)
+        self._args = (msgspec.json.decode(recipe_json, type=Recipe), router_url, index, num_workers, version,
+                      data_state)
+        self.w: RolloutWorker | None = None
+
+    async def _worker(self) -> RolloutWorker:
+        if self.w is None:
+            self.w = RolloutWorker(*self._args)
+        return self.w
+
+    async def ready(self) -> dict[str, Any]:
+        return (await self._worker()).report()
+
+    async def stream(self) -> dict[str, Any]:
+        return await (await self._worker()).stream()
+
+    async def generate(self, num_groups: int) -> dict[str, Any]:
+        return await (await self._worker()).generate(num_groups)
+
+    async def set_version(self, version: int, max_staleness: int | None = None) -> None:
+        (await self._worker()).set_version(version, max_staleness)
+
+    async def report(self) -> dict[str, Any]:
+        return (await self._worker()).report()
+
+    async def stop(self) -> dict[str, Any]:
+        w = await self._worker()
+        await w.stop()
+        return w.report()
+
+    async def close(self) -> None:
+        if self.w is not None:
+            await self.w.close()
+

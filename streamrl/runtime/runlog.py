@@ -1,0 +1,83 @@
+"""The run directory's logs: `metrics.jsonl` (one object per learner step), `eval.jsonl` (one per
+evaluation), `events.jsonl` (the typed events of streamrl.core.types, append-only) and `run.log`.
+
+Each line is written with one `write` on a file opened for appending, so lines from several
+processes never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from streamrl.core.types import Event
+
+_events = msgspec.json.Encoder()
+
+
+def now_ns() -> int:
+    """Wall-clock nanoseconds: the timestamp of events (the core types take it as a value)."""
+    return time.time_ns()
+
+
+def _clean(v: Any) -> Any:
+    """JSON has no NaN/inf: write null instead (a step with no scored sample has no reward mean)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    return v
+
+
+class RunLog:
+    def __init__(self, run_dir: str | Path, echo: bool = True, mirror: Any = None) -> None:
+        """`mirror`: streamrl.tools.loggers.Loggers that also get every metrics and eval row (TensorBoard, W&B)."""
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.echo, self.mirror = echo, mirror
+
+    def _append(self, name: str, line: bytes) -> None:
+        fd = os.open(self.dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line + b"\n")
+        finally:
+            os.close(fd)
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        self._append("metrics.jsonl", json.dumps(_clean(row), sort_keys=False).encode())
+        if self.mirror is not None:
+            self.mirror.metrics(row)
+
+    def eval(self, row: dict[str, Any]) -> None:
+        self._append("eval.jsonl", json.dumps(_clean(row)).encode())
+        if self.mirror is not None:
+            self.mirror.eval(row)
+
+    def event(self, ev: Event) -> None:
+        self._append("events.jsonl", _events.encode(ev))
+
+    def info(self, msg: str) -> None:
+        self._append("run.log", f"{time.strftime('%H:%M:%S')} {msg}".encode())
+        if self.echo:
+            from tqdm import tqdm
+
+            tqdm.write(msg, file=sys.stderr)
+
+    def warn(self, msg: str) -> None:
+        self.info(f"warning: {msg}")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

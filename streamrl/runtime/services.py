@@ -1,0 +1,228 @@
+"""The run's services, started and stopped in one place: Ray, the sglang-router, the engines,
+the learner actor, the rollout workers, the version broadcaster, background evaluation, the
+producer API and the run directory's logs. Start-up ends with the learner at the version the run
+continues from: 0, the SFT policy, or (resume) the checkpoint plus the steps trained after it
+again (`start_step`, `version`). `streamrl/runtime/steps.py` holds what happens every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from streamrl.core.staleness import mode_bound
+from streamrl.core.types import RunCheckpointed, RunResumed
+from streamrl.recipe import Recipe
+from streamrl.runtime import RunFailed, faultpoint
+from streamrl.runtime.inputs import eval_records, prepare_inputs, sft_rows
+from streamrl.runtime.runlog import RunLog, now_ns, read_jsonl
+
+
+class Services:
+    def __init__(self, recipe: Recipe, run_dir: Path, progress: bool = True, resume: bool = False) -> None:
+        from streamrl.tools.loggers import LoggerUnavailable, open_loggers
+
+        self.r, self.dir, self.resume = recipe, Path(run_dir), resume
+        try:  # before anything starts: a logger whose package is missing is a recipe problem
+            mirror = open_loggers(recipe.run.loggers, self.dir, recipe.run.name, recipe.run.wandb_project)
+        except LoggerUnavailable as e:
+            raise RunFailed(str(e)) from None
+        self.log = RunLog(self.dir, echo=progress, mirror=mirror)
+        self.eta = mode_bound(recipe.run.mode, recipe.staleness.max_staleness)
+        self.router: Any = None
+        self.engines: Any = None  # streamrl.connectors.launcher.EngineLauncher
+        self.learner: Any = None  # the learner actor (streamrl/runtime/learner.py)
+        self.workers: list[Any] = []  # rollout worker actors
+        self.broadcaster: Any = None
+        self.bg_eval: Any = None  # BackgroundEval with run.eval_mode background
+        self.producer_proc: Any = None  # `streamrl produce serve` with producer_api.enabled
+        self.tokenizer: Any = None
+        self.interrupted = False  # Ctrl-C: stop without waiting for in-flight groups
+        # Where start-up leaves the run (resume: after the checkpoint and the steps trained again).
+        self.version = 0
+        self.start_step = 0
+        self.wall_offset = 0.0  # wall time the run had used before a resume
+        self.data_states: list[dict[str, Any]] | None = None  # the workers' dataset positions at the checkpoint
+
+    # ------------------------------------------------------------ start
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from streamrl.connectors.launcher import EngineLauncher, RayUnavailable, ensure_ray
+        from streamrl.connectors.router import Router
+        from streamrl.runtime.broadcast import VersionBroadcaster
+        from streamrl.runtime.learner import learner_actor
+        from streamrl.runtime.rollout import worker_actor
+
+        r = self.r
+        prepare_inputs(r, self.log)
+        self.tokenizer = AutoTokenizer.from_pretrained(r.model.tokenizer or r.model.path)
+        recipe_json = msgspec.json.encode(r)
+        need = r.engines.num + r.rollout.workers + 2
+        env_vars = {"PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
+                    **({faultpoint.ENV: os.environ[faultpoint.ENV]} if os.environ.get(faultpoint.ENV) else {})}
+        try:  # no ray.address: a Ray instance of this run's own, never one found on the machine
+            ensure_ray(num_cpus=r.ray.num_cpus or need, address=r.ray.address, runtime_env={"env_vars": env_vars})
+        except RayUnavailable as e:
+            hint = " (check ray.address, or leave it out to start a local instance)" if r.ray.address else ""
+            raise RunFailed(f"{e}{hint}") from None
+        import ray
+
+        self.log.info(f"Ray: {'joined the cluster at ' + r.ray.address if r.ray.address else 'a local instance of its own'}"
+                      f" (GCS {ray.get_runtime_context().gcs_address})")
+        self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
+        self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs").start()
+        # The SFT policy is kept as an HF directory: a resumed run or a replay builds its learner
+        # (and KL reference) from it; checkpoints then hold what RL changed.
+        sft_dir = self.dir / "sft_model"
+        sft_done = self.resume and (sft_dir / "config.json").exists()
+        if self.resume:
+            shutil.rmtree(self.dir / "weights", ignore_errors=True)  # exports of the stopped run
+        self.learner = learner_actor(1, r.learner.num_gpus).remote(
+            recipe_json, str(sft_dir) if sft_done else r.model.path,
+            str(Path(r.model.tokenizer or r.model.path).resolve()))
+        self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
+                                              r.staleness.partial_rollout, self.dir, self.log,
+                                              keep_weights=r.engines.keep_weights)
+        kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed,
+                  **({"cpus": r.engines.cpus} if r.engines.cpus else {})} if r.engines.backend == "embedded" else None
+        self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
+                                      log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
+                                      engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart)
+        # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
+        engines_up = asyncio.create_task(self.engines.start())
+        bg_up = None
+        if r.run.eval_every and r.run.eval_mode == "background" and r.data.eval_path:
+            from streamrl.runtime.background_eval import BackgroundEval
+
+            self.bg_eval = BackgroundEval(r, self.log, self.tokenizer, eval_records(r), r.model.path,
+                                          backend=r.engines.backend, engine_kwargs=kwargs, extra_args=r.engines.extra_args,
+                                          tp=r.engines.tp, log_dir=self.dir / "logs")
+            bg_up = asyncio.create_task(self.bg_eval.start())
+        if r.sft is not None and not sft_done:
+            await self._sft()
+            await self.learner.export.remote(str(sft_dir))
+        if self.resume:
+            await self._restore()
+        await engines_up
+        if bg_up is not None:
+            await bg_up
+        if r.sft is not None or self.version:
+            _, failed = await self.broadcaster.push_disk(self.version)
+            if failed:
+                raise RunFailed(f"engines could not load the weights of version {self.version}: {failed}")
+            self.broadcaster.version = self.version
+        n = r.rollout.workers
+        states = self.data_states if self.data_states and len(self.data_states) == n else [None] * n
+        self.workers = [worker_actor().remote(recipe_json, self.router.url, i, n, self.version, states[i])
+                        for i in range(n)]
+        await asyncio.gather(*(w.ready.remote() for w in self.workers))
+        for w in self.workers:
+            await w.set_version.remote(self.version, self.eta)
+        if r.producer_api.enabled:
+            await self._start_producer_service()
+
+    async def _start_producer_service(self) -> None:
+        """`streamrl produce serve RUN_DIR` as a child process: it reads the published version from
+        events.jsonl and hands producers the router's URL from endpoints.json."""
+        from streamrl.core.staleness import capacity_shares
+        from streamrl.producers.serve import start_service_process
+
+        (self.dir / "endpoints.json").write_text(json.dumps({"router_url": self.router.url}))
+        self.producer_proc, url = await asyncio.to_thread(
+            start_service_process, self.dir, os.getcwd(), self.dir / "logs" / "producer.log")
+        self.log.info(f"producer API at {url} (bearer token in {self.dir / 'producer_token'}); external producers "
+                      f"hold {1 if self.r.rollout.workers else 'all'} of {capacity_shares(self.r.rollout.workers, True)} admission shares")
+
+    async def _restore(self) -> None:
+        """Resume: load the newest checkpoint, then train the steps that came after it again on
+        the groups the pool says they consumed (same batches in the same order, so the learner
+        reaches the weights it had when the run stopped and no group is trained on twice or
+        lost). Keeps the workers' dataset positions saved with the checkpoint."""
+        extra = await self.learner.restore.remote(str(self.dir / "checkpoints"))
+        ck_step = int(extra["step"]) if extra else -1
+        redo = await self.learner.consumed_steps.remote(ck_step + 1)
+        if list(redo) != list(range(ck_step + 1, ck_step + 1 + len(redo))):
+            raise RunFailed(f"cannot resume {self.dir}: the pool's consumed steps after checkpoint step {ck_step} "
+                            f"are not contiguous ({list(redo)[:10]}); the pool and checkpoints do not belong together")
+        original = {m["step"]: m for m in read_jsonl(self.dir / "metrics.jsonl")}
+        self.wall_offset = max((m.get("wall_time_s") or 0.0 for m in original.values()), default=0.0)
+        for step, ids in redo.items():
+            m = await self.learner.retrain.remote(step, ids, self.eta)
+            was = original.get(step)
+            if was is None:  # the run stopped after the claim, before the step's metrics were written
+                self.log.metrics(m | {"redo": True, "wall_time_s": self.wall_offset})
+            elif was.get("loss") != m.get("loss"):
+                self.log.warn(f"step {step} trained again on its {len(ids)} groups gives loss {m.get('loss')}, "
+                              f"the stopped run had {was.get('loss')}: the resumed weights differ slightly")
+        self.version = await self.learner.ping.remote()
+        self.start_step = ck_step + 1 + len(redo)
+        self.log.event(RunResumed(checkpoint_step=ck_step, redone_steps=list(redo), version=self.version, at=now_ns()))
+        self.log.info(f"resuming {self.dir} at step {self.start_step} (version {self.version}): checkpoint of step "
+                      f"{ck_step}, then {len(redo)} step(s) trained again from the pool")
+        self.data_states = extra.get("workers") if extra else None
+        if redo:  # so that another stop does not have to train these steps a third time
+            await self.checkpoint(self.data_states)
+
+    async def _sft(self) -> None:
+        s = self.r.sft
+        assert s is not None
+        rows = sft_rows(self.r, self.tokenizer)
+        t0 = time.perf_counter()
+        losses = await self.learner.sft.remote(rows, s.steps, s.lr, s.batch_size, self.r.run.seed)
+        self.log.info(f"SFT warm-start: {s.steps} steps on {len(rows)} rows, loss {losses[0]:.3f} -> "
+                      f"{losses[-1]:.3f} in {time.perf_counter() - t0:.0f}s")
+
+    # ------------------------------------------------------------ what outlives a step
+
+    async def checkpoint(self, workers: list[dict[str, Any]] | None) -> None:
+        """The learner's checkpoint, with the rollout workers' dataset positions `workers`."""
+        ck = await self.learner.checkpoint.remote(str(self.dir / "checkpoints"), {"workers": workers or []})
+        self.log.event(RunCheckpointed(step=ck["step"], version=ck["version"], path=ck["path"], at=now_ns()))
+
+    async def export(self) -> str:
+        """The final policy in HF format (RUN_DIR/model)."""
+        return await self.learner.export.remote(str(self.dir / "model"))
+
+    # ------------------------------------------------------------ stop
+
+    async def stop(self) -> None:
+        import ray
+
+        if self.bg_eval is not None:
+            await self.bg_eval.stop()
+        if self.producer_proc is not None:
+            from streamrl.producers.serve import stop_service_process
+
+            await asyncio.to_thread(stop_service_process, self.producer_proc)
+
+        for w in [] if self.interrupted else self.workers:  # interrupted: killed below, groups in flight restart on resume
+            try:
+                await asyncio.wait_for(w.close.remote(), 60)
+            except Exception as e:  # noqa: BLE001 - shutting down anyway
+                self.log.warn(f"rollout worker did not close cleanly: {e!r}")
+        if self.engines is not None:
+            await self.engines.stop()
+        if self.learner is not None:
+            try:
+                await asyncio.wait_for(self.learner.close.remote(), 30)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.router is not None:
+            await self.router.close()
+        for a in [*self.workers, self.learner]:
+            if a is not None:
+                ray.kill(a, no_restart=True)
+        if not self.r.ray.address:
+            ray.shutdown()
+        if self.log.mirror is not None:
+            self.log.mirror.close()

@@ -1,0 +1,167 @@
+"""The operations `streamrl/loop.py` is made of: generate, train a step, publish a version,
+evaluate, checkpoint. `Runtime` runs them on the services a run started
+(`streamrl/runtime/services.py`) and keeps the per-step bookkeeping (versions, metrics, rates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from streamrl.core.types import BatchClaimed
+from streamrl.runtime import RunFailed
+from streamrl.runtime.inputs import eval_records
+from streamrl.runtime.runlog import now_ns
+from streamrl.runtime.services import Services
+
+
+class Runtime:
+    def __init__(self, svc: Services) -> None:
+        self.svc, self.r, self.log = svc, svc.r, svc.log
+        self.eta = svc.eta
+        self.start_step = svc.start_step  # the first step this process trains (> 0 when resuming)
+        self.wall_offset = svc.wall_offset
+        self.version = svc.version
+        self.t0 = time.perf_counter()
+        self._last = (time.perf_counter(), 0)
+        self._accepted: dict[int, int] = {}  # groups each worker has produced (lockstep, one-step-off)
+        self._reports: list[dict[str, Any]] = []  # the workers' reports as of the last step
+        self.steps: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.svc.workers
+
+    # ------------------------------------------------------------ generation
+
+    def _shares(self, total: int) -> list[int]:
+        n = len(self.workers)
+        return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+    async def generate(self, num_groups: int) -> None:
+        """Each worker produces its share of `num_groups` accepted groups (lockstep, one-step-off)."""
+        shares = self._shares(num_groups)
+        busy = [i for i, k in enumerate(shares) if k]
+        before = {i: self._accepted.get(i, 0) for i in busy}
+        reports = await asyncio.gather(*(_worker_result(self.workers[i].generate.remote(shares[i])) for i in busy))
+        for i, r in zip(busy, reports):
+            self._accepted[i] = r["accepted"]
+        made = sum(self._accepted[i] - before[i] for i in busy)
+        if made < num_groups and any(r["exhausted"] for r in reports):
+            raise RunFailed(f"the rollout workers ran out of prompts ({made} of {num_groups} groups for this step); "
+                            "raise data.epochs or lower run.steps")
+
+    def start_streaming(self) -> list[Any]:
+        return [w.stream.remote() for w in self.workers]
+
+    async def stop_workers(self) -> None:
+        await asyncio.gather(*(w.stop.remote() for w in self.workers))
+
+    # ------------------------------------------------------------ training
+
+    async def train_step(self, step: int, streams: list[Any] | None = None) -> dict[str, Any]:
+        """Claim a batch and train on it; the learner's version moves to step + 1."""
+        learner = self.svc.learner
+        task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, 5.0))
+        waited = time.perf_counter()
+        while True:  # poll, so a worker that ran out of prompts or died ends the run with a reason
+            m = await task
+            if m is not None:
+                break
+            for s in streams or []:
+                if _done(s):
+                    await _worker_result(s)  # a worker that stopped with an error ends the run with that error
+            if not streams and time.perf_counter() - waited > 30:  # only external producers feed this run
+                waited = time.perf_counter()
+                self.log.info(f"step {step}: waiting for external producers to submit groups "
+                              f"({self.svc.dir / 'producer.json'} has the URL)")
+            if streams and all(_done(s) for s in streams):
+                reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
+                raise RunFailed(f"step {step}: no batch of {self.r.rollout.groups_per_step} groups can be formed and "
+                                f"the rollout workers have stopped (out of prompts: "
+                                f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
+            task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, 5.0))
+        self.version = m["policy_version"]
+        self.log.event(BatchClaimed(step=step, learner_version=m["policy_version"] - 1, group_ids=m["groups"],
+                                    dropped=m["dropped_ids"], at=now_ns()))
+        reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
+        now, tokens = time.perf_counter(), sum(x.get("gen_tokens", 0) for x in reports)
+        m["gen_tokens_per_s"] = (tokens - self._last[1]) / max(1e-9, now - self._last[0])
+        self._last = (now, tokens)
+        m["wall_time_s"] = now - self.t0 + self.wall_offset
+        m["drops"] = _sum_dicts(x["drops"] for x in reports)
+        m["interrupted_calls"] = sum(x.get("interrupted_calls", 0) for x in reports)
+        m["engine_errors"] = sum(x.get("engine_errors", 0) for x in reports)
+        m["engine_restarts"] = self.svc.engines.restarts
+        self._reports = reports
+        return m
+
+    async def publish(self, step: int, metrics: dict[str, Any], interrupt: bool) -> None:
+        """Push the learner's new version to every engine, then let the workers admit under it."""
+        from streamrl.runtime.evaluate import eval_due
+
+        pub = await self.svc.broadcaster.publish(metrics["policy_version"], step, interrupt)
+        metrics.update(pause_s=pub["pause_s"], push_s=pub["push_s"], failed_engines=pub["failed_engines"])
+        await asyncio.gather(*(w.set_version.remote(metrics["policy_version"]) for w in self.workers))
+        self.steps.append(metrics)
+        self.log.metrics({k: v for k, v in metrics.items() if k != "groups"} | {"groups": metrics["groups"]})
+        every = self.r.run.checkpoint_every
+        if every and (step + 1) % every == 0:
+            await self.checkpoint()
+        v = metrics["policy_version"]
+        if eval_due(self.r.run, v):
+            bg = self.svc.bg_eval
+            if bg is not None:  # the learner kept version v for this export
+                path = str(self.svc.dir / "weights" / f"eval-v{v:06d}")
+                bg.submit(v, step + 1, self.svc.learner.export.remote(path, v), metrics["wall_time_s"])
+            else:
+                await self.evaluate(step + 1)  # on the rollout engines: training waits
+
+    async def checkpoint(self) -> None:
+        """A checkpoint with the workers' dataset positions as of the last step."""
+        await self.svc.checkpoint([x["data_state"] for x in self._reports])
+
+    async def evaluate(self, step: int) -> dict[str, Any] | None:
+        """Held-out accuracy at the version the engines serve now (eval.jsonl)."""
+        if not self.r.data.eval_path:
+            return None
+        from streamrl.connectors.sglang_client import SGLangClient
+        from streamrl.runtime.evaluate import evaluate
+
+        async with SGLangClient(self.svc.router.url) as c:
+            res = await evaluate(c, self.svc.tokenizer, eval_records(self.r), self.r)
+        served = self.svc.broadcaster.version  # what the engines serve (the learner may be a step ahead)
+        wall = time.perf_counter() - self.t0 + self.wall_offset if self.steps else self.wall_offset
+        row = {"policy_version": served, "step": step, "wall_time_s": wall, "mode": "inline", **res}
+        self.evals.append(row)
+        self.log.eval(row)
+        self.log.info(f"eval at version {served}: accuracy {res['accuracy']:.3f} "
+                      f"(greedy {res['greedy_accuracy']:.3f}) over {res['prompts']} prompts")
+        return row
+
+
+async def _worker_result(ref: Any) -> Any:
+    import ray
+
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        raise RunFailed(f"a rollout worker stopped: {cause}") from None
+
+
+def _done(ref: Any) -> bool:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)
+
+
+def _sum_dicts(ds: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in ds:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out

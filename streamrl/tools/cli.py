@@ -1,0 +1,437 @@
+"""`streamrl` command line. Exit codes: 0 ok, 1 unexpected failure, 2 bad input (recipe,
+pool path, query) reported without a traceback.
+
+Long file: the argparse parser holds the help text of every command, which users read with --help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+EPILOG = """examples:
+  streamrl init myproject                                    # a starter recipe + reward function to edit
+  streamrl run recipes/quickstart.yaml                       # SFT warm-start, then streaming GRPO
+  streamrl run recipes/quickstart.yaml run.mode=lockstep run.steps=10 --run-dir runs/lockstep
+  streamrl run --resume runs/quickstart                      # continue a stopped or killed run
+  streamrl run --resume runs/quickstart run.steps=400        # ... and train longer
+  streamrl replay runs/quickstart --steps 120-125            # re-train steps from the pool, compare losses
+  streamrl replay runs/quickstart --where "min_version BETWEEN 10 AND 12 AND reward_std = 0"
+  streamrl report runs/quickstart                            # PNG plots + summary table
+  streamrl check recipes/quickstart.yaml rollout.n_samples=4
+  streamrl model init runs/models/tiny --preset tiny
+  streamrl engine serve --model runs/models/tiny --port 30001
+  streamrl produce serve runs/quickstart                     # external producers submit groups over HTTP
+  streamrl pool stats runs/quickstart --json
+  streamrl pool query runs/quickstart "SELECT status, count(*) FROM pool GROUP BY 1"
+  streamrl pool show runs/quickstart <GROUP_ID>
+  streamrl pool export runs/quickstart out.parquet --where "status = 'consumed'"
+"""
+
+
+class UsageError(Exception):
+    """Bad input: printed as `streamrl: error: ...`, exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="streamrl",
+        description="StreamRL: bounded-off-policy streaming RL post-training with a persistent experience pool.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    ini = sub.add_parser("init", help="start a project: a starter recipe and a reward function to edit",
+                         description="Write DIR/recipe.yaml (the quick-start task) and DIR/my_rewards.py (the reward "
+                                     "function the recipe names as my_rewards:score). Then, in DIR: `streamrl check "
+                                     "recipe.yaml`, `streamrl run recipe.yaml`. Existing files are never overwritten.")
+    ini.add_argument("dir", help="project directory (created if missing)")
+    c = sub.add_parser("check", help="validate a recipe and print it with every default filled in",
+                       description="Validate RECIPE (types, ranges, function paths) and print the resolved "
+                                   "recipe. Exit code 2 names the file, line and key of the first problem.")
+    c.add_argument("recipe")
+    c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. rollout.n_samples=4 (YAML values)")
+
+    r = sub.add_parser("run", help="train: engines + router + learner + rollout workers on Ray",
+                       description="Run RECIPE: start a local Ray cluster (or join ray.address), the sglang-router, "
+                                   "engines.num engines and the megatron learner; warm-start with SFT when the recipe "
+                                   "has an sft: section; evaluate on data.eval_path; train run.steps steps in run.mode "
+                                   "(stream, lockstep or one_step_off); evaluate again. Writes RUN_DIR/metrics.jsonl "
+                                   "(one line per step), eval.jsonl, events.jsonl, run.log, checkpoints/, model/ (the "
+                                   "trained policy), sft_model/, recipe.yaml and pool/. Without --run-dir or run.dir each run gets "
+                                   "a new directory runs/<run.name>-<date>-<time> and runs/<run.name> links to the newest, so "
+                                   "earlier runs are kept. A RUN_DIR that already holds a run is never replaced silently: "
+                                   "`--resume RUN_DIR` continues it, --overwrite deletes it first.")
+    r.add_argument("recipe", nargs="?", help="recipe file (not with --resume: the run's own recipe.yaml is used)")
+    r.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. run.mode=lockstep staleness.max_staleness=4")
+    r.add_argument("--run-dir", help="run directory (default: run.dir, else a new runs/<run.name>-<date>-<time>, "
+                                     "with runs/<run.name> linking to it)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="with --run-dir (or run.dir) naming a directory that holds a run: delete that run (pool, "
+                        "checkpoints, logs, model) and start again there, without asking")
+    r.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped or killed run from its last checkpoint: learner, optimizer, version, "
+                        "dataset positions and the pool (partial groups resume from their saved tokens; steps "
+                        "trained after the checkpoint are trained again on the same groups). Run it from the "
+                        "directory the run was started in (recipe paths are relative to it); KEY=VALUE "
+                        "overrides apply, e.g. run.steps=400 to train longer")
+    r.add_argument("--quiet", action="store_true", help="no progress bar or log lines (summary only)")
+
+    rp = sub.add_parser("replay", help="train past steps again from the pool; compare losses and grad norms",
+                        description="Re-train steps of RUN_DIR on exactly the groups they consumed (the pool records "
+                                    "the step), starting from the newest checkpoint at or before the first step, and "
+                                    "print the loss and grad norm the run logged next to the replayed ones (identical "
+                                    "on CPU). --where re-trains a SQL-selected set of groups instead, in batches of "
+                                    "rollout.groups_per_step. The learner runs in this process; the pool is not "
+                                    "changed.")
+    rp.add_argument("run_dir")
+    what = rp.add_mutually_exclusive_group(required=True)
+    what.add_argument("--steps", metavar="A-B", help="learner steps to replay, e.g. 120-125 (or one step: 120)")
+    what.add_argument("--where", metavar="SQL",
+                      help="filter over one row per group, e.g. \"min_version BETWEEN 10 AND 12 AND reward_std = 0\"; "
+                           "columns: group_id, prompt_id, producer_id, status, n_samples, min_version, max_version, "
+                           "consumed_step, consumed_version, created_ns, drop_reason, reward_mean, reward_std, "
+                           "reward_min, reward_max, tokens_mean, failed_samples")
+    rp.add_argument("--json", action="store_true", help="print one JSON object per step/batch instead of a table")
+
+    rep = sub.add_parser("report", help="PNG plots and a summary table of a run",
+                         description="Write RUN_DIR/report/*.png (reward and eval accuracy vs version and wall time, "
+                                     "staleness at consumption, generation/training throughput, drops by reason, "
+                                     "learner loss/grad norm/KL/entropy) and print a summary table. Works on a run "
+                                     "that is still going or was killed.")
+    rep.add_argument("run_dir")
+    rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    rep.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+    m = sub.add_parser("model", help="build a tiny HF-format model and tokenizer locally (no download)")
+    ms = m.add_subparsers(dest="model_cmd", required=True, metavar="ACTION")
+    mi = ms.add_parser("init", help="write a Qwen2 model + byte-level BPE tokenizer with save_pretrained",
+                       description="Create OUT_DIR with config.json, model.safetensors and tokenizer files that load "
+                                   "in transformers, the embedded engine, mbridge/megatron and SGLang.")
+    mi.add_argument("out_dir")
+    mi.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+                    help="tiny: ~0.1M parameters (tests); small: ~3M (quick-start learner)")
+    mi.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+
+    e = sub.add_parser("engine", help="run the embedded CPU engine (SGLang's HTTP API)")
+    es = e.add_subparsers(dest="engine_cmd", required=True, metavar="ACTION")
+    ev = es.add_parser("serve", help="serve a model directory over SGLang's native HTTP API",
+                       description="Serve /generate, /abort_request, /pause_generation, weight updates, "
+                                   "/model_info and /v1/chat/completions like an SGLang server, on the CPU.")
+    ev.add_argument("--model", required=True, help="HF model directory (e.g. from `streamrl model init`)")
+    ev.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    ev.add_argument("--port", type=int, default=30000)
+    ev.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
+    ev.add_argument("--weight-version", default="0")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: engines share the CPU; more only on an otherwise idle machine)")
+
+    pr = sub.add_parser("produce", help="let other processes stream sample groups into a run (producer API)")
+    prs = pr.add_subparsers(dest="produce_cmd", required=True, metavar="ACTION")
+    pv = prs.add_parser(
+        "serve", help="serve the producer API of a run over HTTP",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve RUN_DIR's producer API: external producers (agent environments, other clusters) lease "
+                    "staleness slots and submit finished sample groups, which are validated and appended to the "
+                    "run's pool. The run must have producer_api.enabled=true (it then reserves the last share of "
+                    "the admission capacity for them) and run.mode=stream. Start it from the directory the run "
+                    "was started in (recipe paths are relative to it); `streamrl run` starts it itself.",
+        epilog="""files in RUN_DIR:
+  reads   recipe.yaml, events.jsonl (the published policy version), endpoints.json (router_url),
+          the model's config.json (vocab_size, max_position_embeddings), the pool
+  writes  producer_token (bearer token, mode 0600, created once), producer.json ({url, pid,
+          token_file} while serving), producer.lock (one service per run), logs/producer.log
+          (one line per refused submission)
+
+routes (all but /health need 'Authorization: Bearer <token>'; errors are
+{"error": {"code", "reason"}}):
+  GET  /health                 200 when serving
+  GET  /v1/status              version, max_staleness, groups_per_step, n_samples, room,
+                               outstanding, started, stored, router_url, counters
+  POST /v1/leases              {"producer_id", "groups"} -> {lease_id, slots, version, expires_at_s};
+                               429 with retry_after_s while the staleness bound is reached
+  POST /v1/groups              {"lease_id", "group": SampleGroup} as application/json or
+                               application/msgpack; 200 {stored: true} or {duplicate: true} (group ids
+                               are idempotency keys); 401, 400, 409, 413, 415, 422 say why not
+  GET  /v1/groups/{group_id}   {group_id, status} of a stored group, or 404
+
+SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
+    pv.add_argument("run_dir")
+    pv.add_argument("--host", help="bind address (default producer_api.host, 127.0.0.1: this machine only)")
+    pv.add_argument("--port", type=int, help="port (default producer_api.port; 0 = any free port)")
+    pv.add_argument("--quiet", action="store_true", help="no start-up line, refusals only in logs/producer.log")
+
+    pool = sub.add_parser("pool", help="inspect an experience pool (stats, query, show, export)")
+    ps = pool.add_subparsers(dest="pool_cmd", required=True, metavar="ACTION")
+    st = ps.add_parser("stats", help="rows/groups by status, versions, staleness, rewards, ledger",
+                       description="Summarise the pool of RUN_DIR (or a LanceDB URI). --json prints the stable "
+                                   "document described in the README; `ledger.lost` and `ledger.duplicated` must be 0.")
+    st.add_argument("run_dir")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    q = ps.add_parser("query", help="DuckDB SQL over the pool (table `pool`, and `admissions`)",
+                      description="Run SQL over the pool. Only the columns the query names are read, so avoid "
+                                  "SELECT * on big pools. Schema: pools/schema.py.")
+    q.add_argument("run_dir")
+    q.add_argument("sql")
+    fmt = q.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
+    fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
+    sh = ps.add_parser("show", help="one group: decoded text, versions, rewards")
+    sh.add_argument("run_dir")
+    sh.add_argument("group_id")
+    sh.add_argument("--tokenizer", help="tokenizer.json or model dir (default: the one recorded in the pool)")
+    ex = ps.add_parser("export", help="write pool rows to Parquet")
+    ex.add_argument("run_dir")
+    ex.add_argument("out", help="output .parquet path")
+    ex.add_argument("--where", help="Lance SQL filter, e.g. \"status = 'consumed' AND min_version >= 3\"")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import os
+
+    if os.getcwd() not in sys.path:  # recipes name functions in the user's modules (`streamrl.recipes.envs.calculator:solve`)
+        sys.path.insert(0, os.getcwd())
+    from streamrl.pools.base import PoolError
+    from streamrl.recipe import RecipeError
+
+    try:
+        return _dispatch(args)
+    except (RecipeError, PoolError, UsageError) as e:
+        print(f"streamrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.cmd == "init":
+        from streamrl.tools.init import init_project
+
+        try:
+            written = init_project(args.dir)
+        except FileExistsError as e:
+            raise UsageError(str(e)) from None
+        print("wrote " + ", ".join(str(p) for p in written))
+        print(f"next: cd {args.dir} && streamrl check recipe.yaml && streamrl run recipe.yaml")
+        return 0
+    if args.cmd == "check":
+        from streamrl.recipe import dump_recipe, load_recipe
+
+        print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
+        return 0
+    if args.cmd == "run":
+        from streamrl.recipe import load_recipe
+        from streamrl.runtime import RunFailed
+        from streamrl.runtime.run import run
+
+        try:
+            if args.resume:
+                from streamrl.runtime.run import resume
+
+                overrides = ([args.recipe] if args.recipe else []) + args.overrides
+                bad = [o for o in overrides if "=" not in o]
+                if bad or args.run_dir or args.overwrite:
+                    raise UsageError(f"--resume takes the run directory and KEY=VALUE overrides only, not "
+                                     f"{(bad or ['--run-dir' if args.run_dir else '--overwrite'])[0]!r} (the run's own recipe.yaml is used)")
+                summary = resume(args.resume, overrides, progress=not args.quiet)
+            else:
+                if not args.recipe:
+                    raise UsageError("streamrl run needs a RECIPE (or --resume RUN_DIR)")
+                summary = run(load_recipe(args.recipe, args.overrides), args.run_dir, progress=not args.quiet,
+                              overwrite=args.overwrite)
+        except (RunFailed, FileExistsError, FileNotFoundError) as e:
+            raise UsageError(str(e)) from None
+        _print_summary(summary)
+        return 0
+    if args.cmd == "replay":
+        from streamrl.tools import replay as rp
+
+        try:
+            if args.steps:
+                a, b = rp.parse_steps(args.steps)
+                rows = rp.replay_steps(args.run_dir, a, b, progress=not args.json)
+                title = f"replay of steps {a}-{b} (from the checkpoint of version {rows[0]['start_version']})"
+            else:
+                rows = rp.replay_where(args.run_dir, args.where, progress=not args.json)
+                title = f"replay of {sum(r['groups'] for r in rows)} groups where {args.where}"
+        except rp.ReplayError as e:
+            raise UsageError(str(e)) from None
+        if args.json:
+            for row in rows:
+                print(json.dumps(row))
+        else:
+            rp.print_rows(rows, title)
+        return 0
+    if args.cmd == "report":
+        from streamrl.tools.report import report_command
+
+        try:
+            return report_command(args.run_dir, args.out, args.json)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if args.cmd == "model":
+        from streamrl.connectors.model_kit import init_model_dir
+
+        out = init_model_dir(args.out_dir, args.preset, args.seed)
+        print(f"wrote {args.preset} model and tokenizer to {out}")
+        return 0
+    if args.cmd == "engine":
+        from pathlib import Path
+
+        from streamrl.connectors.engine_server import serve
+
+        if not (Path(args.model) / "config.json").is_file():
+            raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "
+                             f"`streamrl model init {args.model}`")
+        serve(args.model, host=args.host, port=args.port, max_running=args.max_running,
+              weight_version=args.weight_version, seed=args.seed, threads=args.threads)
+        return 0
+    if args.cmd == "produce":
+        from streamrl.producers.serve import ServiceError, serve
+
+        try:
+            serve(args.run_dir, host=args.host, port=args.port, quiet=args.quiet)
+        except ServiceError as e:
+            raise UsageError(str(e)) from None
+        return 0
+    return _pool_cmd(args)
+
+
+def _pool_cmd(args: argparse.Namespace) -> int:
+    from streamrl.pools import inspect as pi
+    from streamrl.pools import open_pool
+
+    pool = open_pool(args.run_dir)
+    if args.pool_cmd == "stats":
+        stats = pi.pool_stats(pool)
+        if args.json:
+            print(json.dumps(stats, indent=2))
+        else:
+            _print_stats(stats)
+        return 0 if stats["ledger"]["balanced"] else 3
+    if args.pool_cmd == "query":
+        import duckdb
+
+        try:
+            table = pi.pool_query(pool, args.sql)
+        except duckdb.Error as e:
+            raise UsageError(f"query failed: {str(e).splitlines()[0]} (columns: see pools/schema.py)") from None
+        _print_table(table, "json" if args.json else "csv" if args.csv else "text")
+        return 0
+    if args.pool_cmd == "show":
+        groups = pool.groups([args.group_id])
+        if not groups:
+            raise UsageError(f"no group {args.group_id!r} in {pool.uri} "
+                             "(list some with: streamrl pool query RUN_DIR \"SELECT DISTINCT group_id FROM pool LIMIT 10\")")
+        _print_group(groups[0], pi.load_decoder(args.tokenizer or pool.tokenizer))
+        return 0
+    if args.pool_cmd == "export":
+        try:
+            n = pi.export_parquet(pool, args.out, args.where)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"export failed: {str(e).splitlines()[0]}") from None
+        print(f"wrote {n} rows to {args.out}")
+        return 0
+    raise AssertionError(args.pool_cmd)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    b, a = s.get("eval_before"), s.get("eval_after")
+    print(f"{s['mode']}: {s['steps']} steps -> policy version {s['policy_version']} in {s['rl_s']:.0f}s "
+          f"({s['samples_per_s']:.1f} samples/s; set-up {s['setup_s']:.0f}s), max staleness {s['staleness_max']}, "
+          f"engine restarts {s['engine_restarts']}")
+    if b and a:
+        print(f"held-out accuracy: {b['accuracy']:.3f} -> {a['accuracy']:.3f} (sampled, {a['samples_per_prompt']} per "
+              f"prompt); greedy {b['greedy_accuracy']:.3f} -> {a['greedy_accuracy']:.3f}")
+    print(f"trained model: {s['model']}; metrics: {s['run_dir']}/metrics.jsonl; "
+          f"pool: streamrl pool stats {s['run_dir']}")
+
+
+def _print_table(table: Any, fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps(table.to_pylist(), default=str))
+    elif fmt == "csv":
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(table, sys.stdout.buffer)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(*table.column_names)
+        for row in table.to_pylist():
+            t.add_row(*(_short(row[c]) for c in table.column_names))
+        Console(width=200).print(t)
+        print(f"{table.num_rows} rows")
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    s = str(v)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _print_stats(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=120)
+    led = s["ledger"]
+    con.print(f"[bold]{s['uri']}[/bold]: {s['rows']} rows, {s['groups']} groups, "
+              f"{s['response_tokens']} response tokens, versions {s['versions']['min']}..{s['versions']['max']}")
+    t = Table("state", "groups", "rows", title="by status")
+    for k in ("in_flight", "partial", "complete", "consumed", "dropped", "failed"):
+        t.add_row(k, str(led[k]), str(s["rows_by_status"].get(k, 0)))
+    con.print(t)
+    if s["staleness_histogram"]:
+        con.print("staleness at consumption (groups): " +
+                  ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()))
+    if s["drops_by_reason"]:
+        con.print("drops by reason: " + ", ".join(f"{k}: {v}" for k, v in s["drops_by_reason"].items()))
+    if s["reward_by_version"]:
+        t = Table("version", "groups", "mean reward", title="reward by version")
+        for r in s["reward_by_version"]:
+            t.add_row(str(r["version"]), str(r["groups"]), "-" if r["mean_reward"] is None else f"{r['mean_reward']:.3f}")
+        con.print(t)
+    ok = "[green]balanced[/green]" if led["balanced"] else "[red]NOT balanced[/red]"
+    con.print(f"ledger: admitted {led['admitted']}, lost {led['lost']}, duplicated {led['duplicated']}, "
+              f"unadmitted {led['unadmitted']} -> {ok}")
+
+
+def _print_group(g: Any, tok: Any) -> None:
+    def text(ids: Any) -> str:
+        return tok.decode(ids.tolist(), skip_special_tokens=False) if tok is not None else str(ids.tolist())
+
+    print(f"group {g.group_id}  prompt {g.prompt_id}  status {g.status}  producer {g.producer_id}")
+    print(f"versions {g.min_version}..{g.max_version}  consumed_step {g.consumed_step}  "
+          f"drop_reason {g.drop_reason}")
+    print(f"prompt: {text(g.prompt_tokens)!r}")
+    for s in g.samples:
+        spans = " ".join(f"v{sp.version}[{sp.start}:{sp.end})" for sp in s.spans)
+        err = f"  FAILED: {s.error}" if s.failed else ""
+        masked = int((s.loss_mask == 0).sum())
+        note = f" masked={masked} (shown in [[...]])" if masked else ""
+        print(f"  [{s.index}] reward={s.reward} finish={s.finish_reason or '-'} tokens={s.num_tokens} "
+              f"spans={spans}{note}{err}")
+        print(f"      {_masked_text(s, text)!r}")
+
+
+def _masked_text(s: Any, text: Any) -> str:
+    """The response with the runs the loss ignores (tool output, stale tokens) in [[...]]."""
+    out, start = [], 0
+    mask = s.loss_mask.tolist()
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            part = text(s.response_tokens[start:i])
+            out.append(part if mask[start] else f"[[{part}]]")
+            start = i
+    return "".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""`streamrl replay RUN_DIR`: train past steps again from the pool, and compare.
+
+    streamrl replay runs/quickstart --steps 120-125
+    streamrl replay runs/quickstart --where "min_version BETWEEN 10 AND 12 AND reward_std = 0"
+
+`--steps A-B` starts from the newest checkpoint saved before step A was trained (its meta.json
+records the last step it holds; with none, from the run's starting weights, as step 0 was),
+trains the steps between it and A again without printing them, then steps A..B, each on exactly the
+groups it consumed (the pool records the step), and prints the loss and grad norm the run logged
+next to the replayed ones. On CPU, with the run's recipe, they are identical.
+
+`--where SQL` selects groups with a filter over one row per group (columns: GROUP_COLUMNS) and
+trains on them in batches of `rollout.groups_per_step`, oldest first, starting from the
+checkpoint before the first of them was consumed (or the newest checkpoint).
+
+The learner runs in this process, built as the run built it (recipe.yaml, sft_model/ or the
+model path, learner.threads), and reads the pool without changing it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from streamrl.recipe import Recipe
+
+GROUP_COLUMNS = ("group_id", "prompt_id", "producer_id", "status", "n_samples", "min_version", "max_version",
+                 "consumed_step", "consumed_version", "created_ns", "drop_reason", "reward_mean", "reward_std",
+                 "reward_min", "reward_max", "tokens_mean", "failed_samples")
+
+_GROUPS_SQL = """
+SELECT group_id, any_value(prompt_id) AS prompt_id, any_value(producer_id) AS producer_id,
+       any_value(status) AS status, any_value(n_samples) AS n_samples, min(min_version) AS min_version,
+       max(max_version) AS max_version, any_value(consumed_step) AS consumed_step,
+       any_value(consumed_version) AS consumed_version, min(created_ns) AS created_ns,
+       any_value(drop_reason) AS drop_reason, avg(reward) AS reward_mean, coalesce(stddev_pop(reward), 0) AS reward_std,
+       min(reward) AS reward_min, max(reward) AS reward_max, avg(num_tokens) AS tokens_mean,
+       sum(CASE WHEN failed THEN 1 ELSE 0 END) AS failed_samples
+FROM pool GROUP BY group_id
+"""
+
+
+class ReplayError(ValueError):
+    """The replay cannot be done as asked (the message says why and what exists)."""
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    a, _, b = text.partition("-")
+    try:
+        lo, hi = int(a), int(b or a)
+    except ValueError:
+        raise ReplayError(f"--steps {text!r}: expected A-B (e.g. 10-12) or one step (e.g. 10)") from None
+    if lo < 0 or hi < lo:
+        raise ReplayError(f"--steps {text!r}: need 0 <= A <= B")
+    return lo, hi
+
+
+def load_run(run_dir: str | Path) -> Recipe:
+    from streamrl.recipe import load_recipe
+    from streamrl.runtime.run import RECIPE
+
+    d = Path(run_dir)
+    if not (d / RECIPE).is_file():
+        raise ReplayError(f"{d} has no {RECIPE}: not a StreamRL run directory (or one from before runs kept it)")
+    return load_recipe(d / RECIPE)
+
+
+def _learner(r: Recipe, run_dir: Path) -> Any:
+    from streamrl.runtime.learner import LearnerDriver, quiet_megatron
+
+    quiet_megatron()
+    sft = run_dir / "sft_model"
+    return LearnerDriver(r, str(sft) if (sft / "config.json").exists() else r.model.path)
+
+
+def _checkpoints(run_dir: Path) -> list[tuple[int, int]]:
+    """(version, last step trained) of every checkpoint, oldest first."""
+    import json
+
+    from streamrl.connectors.mcore_checkpoint import list_checkpoints
+
+    out = []
+    for v, p in list_checkpoints(run_dir / "checkpoints"):
+        extra = json.loads((p / "meta.json").read_text()).get("extra", {})
+        out.append((v, int(extra.get("step", v - 1))))
+    return out
+
+
+def _start(run_dir: Path, before_step: int) -> tuple[int, int]:
+    """(version, first step to train) of the newest checkpoint saved before `before_step` was
+    trained; (0, 0): the run's starting weights."""
+    return max(((v, s + 1) for v, s in _checkpoints(run_dir) if s < before_step), default=(0, 0))
+
+
+def _original(run_dir: Path) -> dict[int, dict[str, Any]]:
+    from streamrl.runtime.runlog import read_jsonl
+
+    return {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}  # a resumed run: its last row wins
+
+
+def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = True) -> list[dict[str, Any]]:
+    """Rows {step, groups, loss, grad_norm, orig_loss, orig_grad_norm, ...} for steps first..last."""
+    from tqdm import tqdm
+
+    from streamrl.core.staleness import mode_bound
+
+    d = Path(run_dir)
+    r = load_run(d)
+    drv = _learner(r, d)
+    batches = drv.consumed_steps(0, last)
+    missing = [s for s in range(first, last + 1) if s not in batches]
+    if missing:
+        done = max(batches, default=-1)
+        raise ReplayError(f"steps {missing[:5]} consumed no groups in {d / 'pool'} (the run trained steps 0-{done})")
+    v0, s0 = _start(d, first)
+    if v0:
+        drv.restore(str(d / "checkpoints"), version=v0)
+    orig, rows = _original(d), []
+    for step in tqdm(range(s0, last + 1), desc="replay", unit="step", disable=not progress):
+        m = drv.retrain(step, batches[step], mode_bound(r.run.mode, r.staleness.max_staleness))
+        if step >= first:
+            o = orig.get(step, {})
+            rows.append({"step": step, "groups": len(m["groups"]), "loss": m.get("loss"),
+                         "grad_norm": m.get("grad_norm"), "orig_loss": o.get("loss"),
+                         "orig_grad_norm": o.get("grad_norm"), "reward_mean": m["reward_mean"],
+                         "start_version": v0, "identical": o.get("loss") == m.get("loss")
+                         and o.get("grad_norm") == m.get("grad_norm")})
+    drv.close()
+    return rows
+
+
+def select_groups(run_dir: str | Path, where: str) -> list[dict[str, Any]]:
+    """One row per group (GROUP_COLUMNS) matching `where`, oldest first."""
+    import duckdb
+
+    from streamrl.pools import open_pool
+    from streamrl.pools.inspect import pool_query
+
+    pool = open_pool(str(run_dir))
+    try:
+        t = pool_query(pool, f"SELECT * FROM ({_GROUPS_SQL}) WHERE {where} ORDER BY created_ns, group_id")
+    except duckdb.Error as e:
+        raise ReplayError(f"--where {where!r}: {str(e).splitlines()[0]} (columns: {', '.join(GROUP_COLUMNS)})") from None
+    finally:
+        pool.close()
+    return t.to_pylist()
+
+
+def replay_where(run_dir: str | Path, where: str, progress: bool = True) -> list[dict[str, Any]]:
+    """Train on the selected groups, `groups_per_step` at a time; one row per batch."""
+    from tqdm import tqdm
+
+    from streamrl.core.staleness import mode_bound
+
+    d = Path(run_dir)
+    r = load_run(d)
+    groups = select_groups(d, where)
+    if not groups:
+        raise ReplayError(f"--where {where!r} selects no group in {d / 'pool'}")
+
+    consumed = [g["consumed_step"] for g in groups if g["consumed_step"] is not None]
+    v0, s0 = _start(d, min(consumed)) if consumed else max(((v, s + 1) for v, s in _checkpoints(d)), default=(0, 0))
+    drv = _learner(r, d)
+    if v0:
+        drv.restore(str(d / "checkpoints"), version=v0)
+    k, rows = r.rollout.groups_per_step, []
+    for i in tqdm(range(0, len(groups), k), desc="replay", unit="batch", disable=not progress):
+        chunk = groups[i:i + k]
+        m = drv.retrain(s0 + i // k, [g["group_id"] for g in chunk], mode_bound(r.run.mode, r.staleness.max_staleness))
+        steps = sorted({g["consumed_step"] for g in chunk if g["consumed_step"] is not None})
+        rows.append({"batch": i // k, "groups": len(chunk), "loss": m.get("loss"), "grad_norm": m.get("grad_norm"),
+                     "reward_mean": m["reward_mean"], "start_version": v0, "orig_steps": steps,
+                     "statuses": sorted({g["status"] for g in chunk})})
+    drv.close()
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(v: Any) -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.6g}" if isinstance(v, float) \
+            else str(v)
+
+    heads = {"step": "step", "batch": "batch", "groups": "groups", "orig_loss": "run loss", "loss": "replayed loss",
+             "orig_grad_norm": "run grad norm", "grad_norm": "replayed grad norm", "reward_mean": "reward",
+             "orig_steps": "run steps", "statuses": "status", "identical": "identical"}
+    t = Table(title=title)
+    cols = [c for c in heads if rows and c in rows[0]]
+    for c in cols:
+        t.add_column(heads[c], justify="right")
+    for row in rows:
+        t.add_row(*(f(row[c]) if not isinstance(row[c], list) else ",".join(map(str, row[c])) for c in cols))
+    import sys
+
+    Console(width=None if sys.stdout.isatty() else 160).print(t)

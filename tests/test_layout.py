@@ -1,0 +1,158 @@
+"""The layout shows the architecture (README "Layout"): the functional core imports no Ray, HTTP,
+LanceDB or clock; pools/, connectors/ and the cluster simulator use only the core from the rest
+of StreamRL; no two modules import each other, even through others; a file over 400 lines says
+why in its opening lines; every package is in the README's table."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Where each installed package lives in the repository (pyproject.toml [tool.setuptools.package-dir]).
+ROOTS = {"streamrl": REPO / "streamrl", "streamrl.connectors": REPO / "connectors", "streamrl.pools": REPO / "pools",
+         "streamrl.recipes": REPO / "recipes"}
+IMPURE = {"ray", "aiohttp", "lancedb", "lance", "pylance", "duckdb", "urllib", "http", "socket", "requests",
+          "time", "datetime", "asyncio", "subprocess", "threading", "transformers", "openai"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg, root in ROOTS.items():
+        for f in root.rglob("*.py"):
+            rel = f.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([pkg, *parts])] = f
+    return out
+
+
+def imports(path: Path, module: str) -> set[str]:
+    """Every module `path` imports, at any depth (function-level imports too)."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_pkg else 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.add(name)
+            out |= {f"{name}.{a.name}" for a in node.names}
+    return out
+
+
+MODS = modules()
+
+
+def streamrl_deps(module: str) -> set[str]:
+    """The StreamRL modules `module` imports (a `from pkg import name` counts when name is a module)."""
+    return {m for m in imports(MODS[module], module) if m in MODS and m != module}
+
+
+def test_core_imports_nothing_impure() -> None:
+    bad = []
+    for mod, f in MODS.items():
+        if not mod.startswith("streamrl.core"):
+            continue
+        for name in imports(f, mod):
+            top = name.split(".")[0]
+            if top in IMPURE or (name.startswith("streamrl") and not name.startswith("streamrl.core")):
+                bad.append(f"{f.relative_to(REPO)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("prefix", ["streamrl.pools", "streamrl.connectors"])
+def test_pools_and_connectors_use_only_the_core(prefix: str) -> None:
+    bad = [f"{MODS[m].relative_to(REPO)} imports {d}" for m in MODS if m.startswith(prefix)
+           for d in streamrl_deps(m) if not d.startswith((prefix, "streamrl.core"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_cluster_simulator_uses_only_the_core() -> None:
+    """The simulator's model (benchmarks/clustersim.py); its CLI also reads a measured run's pool
+    to calibrate against."""
+    f = REPO / "benchmarks" / "clustersim.py"
+    used = {n for n in imports(f, "benchmarks.clustersim") if n.startswith("streamrl")}
+    assert used and all(n.startswith("streamrl.core") for n in used), sorted(used)
+
+
+def test_no_import_circle() -> None:
+    graph = {m: streamrl_deps(m) for m in MODS}
+    # A package imports its own submodules; that is how packages work, not a circle.
+    for m in graph:
+        graph[m] = {d for d in graph[m] if not d.startswith(m + ".") and not m.startswith(d + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            pytest.fail("import circle: " + " -> ".join(cycle))
+
+
+def test_long_files_say_why() -> None:
+    long = []
+    for top in ("streamrl", "connectors", "pools", "recipes", "benchmarks", "tests"):
+        for f in (REPO / top).rglob("*.py"):
+            text = f.read_text()
+            lines = text.splitlines()
+            opening = ast.get_docstring(ast.parse(text)) or "\n".join(x for x in lines[:10] if x.startswith("#"))
+            if len(lines) > 400 and "Long file:" not in opening:
+                long.append(f"{f.relative_to(REPO)}: {len(lines)} lines")
+    assert not long, "over 400 lines with no 'Long file:' reason in the opening docstring:\n" + "\n".join(long)
+
+
+def test_readme_layout_table_matches_the_tree() -> None:
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Layout"):]
+    named = set(re.findall(r"`(streamrl/[\w/]+/|connectors/|pools/|recipes/|benchmarks/|tests/)`", table))
+    packages = {f"streamrl/{d.name}/" for d in (REPO / "streamrl").iterdir() if (d / "__init__.py").exists()}
+    packages |= {"connectors/", "pools/", "recipes/", "benchmarks/", "tests/", "streamrl/core/algorithms/"}
+    assert packages - named == set(), f"missing from the README's layout table: {sorted(packages - named)}"
+    assert named - packages == set(), f"in the README's layout table but not in the tree: {sorted(named - packages)}"
+
+
+def test_old_module_paths_are_the_new_modules() -> None:
+    import streamrl
+    from streamrl.recipe import resolve_fn
+
+    for old, new in streamrl.MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    assert resolve_fn("streamrl.rewards:exact_match") is resolve_fn("streamrl.plugins.rewards:exact_match")
+    from streamrl.producer import ProducerClient  # the SDK's documented import
+    from streamrl.producers.sdk import ProducerClient as New
+
+    assert ProducerClient is New
+
+
+def test_a_recipe_naming_the_old_examples_path_is_told_the_installed_one(tmp_path: Path) -> None:
+    """Outside the repository root `recipes.envs...` does not import: exit 2 naming streamrl.recipes.envs..."""
+    import subprocess
+    import sys
+
+    text = (REPO / "recipes" / "calculator_env.yaml").read_text().replace("streamrl.recipes.envs", "recipes.envs")
+    (tmp_path / "old.yaml").write_text(text)
+    r = subprocess.run([sys.executable, "-m", "streamrl", "check", "old.yaml"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 2, r.stderr
+    assert "cannot import module 'recipes.envs.calculator'" in r.stderr
+    assert "'streamrl.recipes.envs.calculator:solve'" in r.stderr
