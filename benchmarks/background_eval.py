@@ -52,7 +52,7 @@ def run_once(recipe: str, name: str, overrides: list[str], run_dir: Path, log_pa
              timeout_s: float) -> dict[str, Any]:
     """One `streamrl run` subprocess; its report, or {"error": ...} with the log's tail."""
     cmd = [sys.executable, "-m", "streamrl", "run", recipe, *overrides, "--run-dir", str(run_dir), "--quiet"]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = dict(os.environ)
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
         try:

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from streamrl.connectors.auth import Keys, write_private
 from streamrl.connectors.ports import (
     PortTaken,
     held_by,
@@ -119,7 +120,9 @@ class EngineActor:
     def __init__(self, index: int, model_dir: str, backend: str = "embedded", log_dir: str | None = None,
                  weight_version: str = "0", tp: int = 1, extra_args: Sequence[str] = (),
                  engine_kwargs: dict[str, Any] | None = None, host: str = "127.0.0.1",
-                 startup_timeout_s: float = 600, stop_grace_s: float = 10) -> None:
+                 startup_timeout_s: float = 600, stop_grace_s: float = 10, keys: Keys | None = None) -> None:
+        """`keys` (connectors/auth.py): the engine requires them; they reach it through its
+        environment (embedded) or a 0600 `--config` file beside its log (SGLang), never argv."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.index, self.model_dir, self.host = index, str(model_dir), host
@@ -127,6 +130,7 @@ class EngineActor:
         self.weight_version, self.tp = str(weight_version), int(tp)
         self.extra_args = [str(a) for a in extra_args]
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.keys = keys or Keys()
         self.startup_timeout_s, self.stop_grace_s = startup_timeout_s, stop_grace_s
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "engine-logs"
         self.log_path = self.log_dir / f"engine-{index}.log"
@@ -155,17 +159,23 @@ class EngineActor:
         """Start the engine process on `port`; `sock` (embedded) is the socket already listening
         there, which the process inherits."""
         self.port = port
-        cmd = engine_command(self._resolve_backend(), self.model_dir, port, host=self.host,
-                             weight_version=self.weight_version, tp=self.tp, extra_args=self.extra_args,
-                             engine_kwargs=self.engine_kwargs, sock_fd=sock.fileno() if sock else None)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        extra = list(self.extra_args)
+        if self._resolve_backend() == "sglang" and (self.keys.api or self.keys.admin):
+            conf = self.log_dir / f"engine-{self.index}.keys.yaml"
+            write_private(conf, json.dumps({k: v for k, v in (("api_key", self.keys.api),
+                                                              ("admin_api_key", self.keys.admin)) if v}))  # JSON is YAML
+            extra += ["--config", str(conf)]
+        cmd = engine_command(self.backend, self.model_dir, port, host=self.host,  # type: ignore[arg-type]
+                             weight_version=self.weight_version, tp=self.tp, extra_args=extra,
+                             engine_kwargs=self.engine_kwargs, sock_fd=sock.fileno() if sock else None)
         self.starts += 1
         with open(self.log_path, "ab") as out:
             out.write(f"\n===== engine {self.index} start #{self.starts} backend={self.backend} "
                       f"port={port} {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
             out.flush()
             self._log_start = out.tell()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.keys.env()}
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env=env, pass_fds=(sock.fileno(),) if sock else ())
 

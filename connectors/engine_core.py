@@ -43,6 +43,7 @@ class GenRequest:
     kv: KV | None = None
     generator: torch.Generator | None = None
     retractions: int = 0
+    error: str | None = None  # this request failed on its own (its sampling); the others go on
 
     def record(self, token: int, logprob: float, version: str) -> None:
         n = len(self.output_ids)
@@ -277,16 +278,13 @@ class EngineCore:
     def _sample_and_record(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
         logits = logits.float()
         for i, r in enumerate(reqs):
-            row = logits[i]
-            if r.temperature == 0:
-                tok = int(torch.argmax(row))
-                lp = torch.log_softmax(row, -1)[tok]
-            else:
-                scaled = row / r.temperature
-                logp = torch.log_softmax(scaled, -1)
-                tok = _sample(scaled, r.top_p, r.top_k, r.generator)
-                lp = logp[tok]
-            r.record(tok, float(lp), self.weight_version)
+            try:
+                tok, lp = _pick(logits[i], r)
+            except (RuntimeError, ValueError) as e:  # one request's bad numbers must not end the others
+                r.error = f"sampling failed: {type(e).__name__}: {e}"
+                self._finish(r, {"type": "abort", "message": r.error})
+                continue
+            r.record(tok, lp, self.weight_version)
             n = len(r.output_ids)
             total = len(r.input_ids) + n
             if not r.ignore_eos and n >= r.min_new_tokens and (tok in self.eos_ids or tok in r.stop_token_ids):
@@ -305,6 +303,16 @@ class EngineCore:
             self._running.remove(r)
         if r.on_done is not None:
             r.on_done(r)
+
+
+def _pick(row: torch.Tensor, r: GenRequest) -> tuple[int, float]:
+    """The next token of `r` and its log-prob (module doc: SGLang's definition)."""
+    if r.temperature == 0:
+        tok = int(torch.argmax(row))
+        return tok, float(torch.log_softmax(row, -1)[tok])
+    scaled = row / r.temperature
+    tok = _sample(scaled, r.top_p, r.top_k, r.generator)
+    return tok, float(torch.log_softmax(scaled, -1)[tok])
 
 
 def _sample(scaled: torch.Tensor, top_p: float, top_k: int, gen: torch.Generator | None) -> int:

@@ -2,8 +2,12 @@
 
     streamrl engine serve --model runs/models/tiny --port 30001
 
-Binds 127.0.0.1 unless told otherwise. Bad requests get 4xx with
-`{"error": {"message", "type", "code"}}` and the engine keeps serving.
+Binds 127.0.0.1 unless told otherwise. With keys (connectors/auth.py: STREAMRL_API_KEY and
+STREAMRL_ADMIN_KEY in its environment, as SGLang's --api-key/--admin-api-key) every endpoint but
+the health probes needs `Authorization: Bearer <key>` (401 otherwise); a POST body must be
+`application/json` (415 otherwise: a web page cannot send that cross-site without the browser
+asking first); `weights_root` confines /update_weights_from_disk to model paths under it. Bad
+requests get 4xx with `{"error": {"message", "type", "code"}}` and the engine keeps serving.
 
 Long file: one handler per SGLang endpoint the embedded engine speaks, each checked against SGLang's contract.
 """
@@ -24,6 +28,7 @@ import torch
 from aiohttp import web
 
 from streamrl.connectors import sglang_api as api
+from streamrl.connectors.auth import Keys
 from streamrl.connectors.engine_core import EngineCore, GenRequest
 
 _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refused, not ignored
@@ -31,6 +36,7 @@ _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refus
     "top_logprobs_num": 0, "token_ids_logprob": None, "return_entropy": False, "session_params": None,
     "background": False, "return_bytes": False,
 }
+SAMPLING_EPS = 1e-6  # SGLang's _SAMPLING_EPS
 TENSOR_FORMAT = "safetensors"  # the one load_format /update_weights_from_tensor takes (no pickle)
 _SP_UNSUPPORTED = {"stop": None, "n": 1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                    "repetition_penalty": 1.0}
@@ -39,8 +45,8 @@ _SP_UNSUPPORTED = {"stop": None, "n": 1, "min_p": 0.0, "frequency_penalty": 0.0,
 def _check_sampling(sp: api.SamplingParams) -> None:
     """The ranges SGLang enforces (a bad value must be a 400, never a crash in the scheduler)."""
     problems = []
-    if sp.temperature < 0:
-        problems.append(f"temperature must be >= 0, got {sp.temperature}")
+    if not sp.temperature >= 0 or sp.temperature == float("inf"):  # NaN fails every comparison
+        problems.append(f"temperature must be a finite number >= 0, got {sp.temperature}")
     if not 0 < sp.top_p <= 1:
         problems.append(f"top_p must be in (0, 1], got {sp.top_p}")
     if sp.top_k < 1 and sp.top_k != -1:
@@ -60,7 +66,8 @@ class HTTPError(Exception):
 
 
 def _error(status: int, message: str) -> web.Response:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
+            415: "UnsupportedMediaTypeError"}.get(status, "InternalServerError")
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
@@ -75,16 +82,19 @@ async def _decode(request: web.Request, typ: type) -> Any:
 
 
 class EngineServer:
-    def __init__(self, model_dir: str, max_running: int = 64, weight_version: str = "0", seed: int = 0) -> None:
+    def __init__(self, model_dir: str, max_running: int = 64, weight_version: str = "0", seed: int = 0,
+                 keys: Keys | None = None, weights_root: str | None = None) -> None:
         from transformers import AutoTokenizer
 
+        self.keys = keys or Keys()
+        self.weights_root = os.path.realpath(weights_root) if weights_root else None
         self.core = EngineCore(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_path = model_dir
         self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
         self._group: Any = None  # torch.distributed group for weight updates
         self._recv_buf = torch.empty(0, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
-        self.app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._errors])
+        self.app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._guard, self._errors])
         r = self.app.router
         r.add_post("/generate", self.generate)
         r.add_post("/v1/chat/completions", self.chat)
@@ -119,6 +129,15 @@ class EngineServer:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
 
     @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """SGLang's key rules (connectors/auth.py), then JSON-only bodies."""
+        if not self.keys.allows(request.path, request.headers.get("Authorization")):
+            return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (this run's engine key)")
+        if request.method == "POST" and request.content_type != "application/json":
+            return _error(415, f"Content-Type must be application/json, got {request.content_type!r}")
+        return await handler(request)
+
+    @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             return await handler(request)
@@ -144,8 +163,9 @@ class EngineServer:
         if max_new < 0 or len(ids) + max_new > self.core.max_context:
             raise HTTPError(400, f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the "
                                  f"model's context length {self.core.max_context}")
-        return GenRequest(
-            rid=rid, input_ids=list(ids), max_new_tokens=max_new, temperature=sp.temperature,
+        return GenRequest(  # below SGLang's sampling epsilon a temperature means greedy, as in SGLang
+            rid=rid, input_ids=list(ids), max_new_tokens=max_new,
+            temperature=0.0 if sp.temperature < SAMPLING_EPS else sp.temperature,
             top_p=sp.top_p, top_k=sp.top_k, min_new_tokens=sp.min_new_tokens,
             stop_token_ids=frozenset(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
             sampling_seed=sp.sampling_seed)
@@ -215,6 +235,9 @@ class EngineServer:
         rids = rids or [uuid.uuid4().hex for _ in prompts]
         gens = [self._make(ids, rid, sp) for ids, rid in zip(prompts, rids)]
         done = await asyncio.gather(*(self._run(g) for g in gens))
+        failed = [r.error for r in done if r.error]
+        if failed:
+            raise HTTPError(400, f"{failed[0]} (this request only; the engine goes on)")
         outs = [self._response(r, t0, req, sp) for r in done]
         return web.json_response(outs if batch else outs[0])
 
@@ -230,6 +253,8 @@ class EngineServer:
                                 top_p=req.top_p, top_k=req.top_k, stop_token_ids=req.stop_token_ids,
                                 sampling_seed=req.seed)
         r = await self._run(self._make(ids, req.rid or uuid.uuid4().hex, sp))
+        if r.error:
+            raise HTTPError(400, f"{r.error} (this request only; the engine goes on)")
         stopped = r.finish is not None and r.finish["type"] == "stop"
         content_ids = r.output_ids[:-1] if stopped else r.output_ids
         choice: dict[str, Any] = {
@@ -296,6 +321,10 @@ class EngineServer:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         req: api.UpdateFromDiskReq = await _decode(request, api.UpdateFromDiskReq)
+        real = os.path.realpath(req.model_path)
+        if self.weights_root is not None and os.path.commonpath([real, self.weights_root]) != self.weights_root:
+            return web.json_response({"success": False, "message": f"model_path {req.model_path!r} is outside this "
+                                      f"engine's weights directory {self.weights_root}: refused"}, status=400)
         resp = await self._update(lambda: self.core.load_from_disk(req.model_path, None),
                                   req.abort_all_requests, req.weight_version)
         if resp.status == 200:
@@ -394,7 +423,7 @@ class _DropRouterProbes(logging.Filter):
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
           weight_version: str = "0", seed: int = 0, threads: int = 1, cpus: list[int] | None = None,
-          idle: bool = False, sock_fd: int | None = None) -> None:
+          idle: bool = False, sock_fd: int | None = None, weights_root: str | None = None) -> None:
     """Serve until interrupted. `threads`: torch intra-op threads. One by default: engines share
     the CPU with the learner and other engines, and torch's default (one per core) collapses
     7-10x under such contention (benchmarks/engine_throughput.py --engine-threads).
@@ -403,7 +432,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_runnin
     background-evaluation engine must not slow training down.
     `sock_fd`: serve on this inherited, already listening socket (connectors/ports.py: the parent
     bound it to port 0, so no other process can take the port between choosing and binding);
-    `port=0` without one binds a free port here and prints it."""
+    `port=0` without one binds a free port here and prints it. Keys come from the environment
+    (connectors/auth.py), never from the command line; `weights_root`: see the module doc."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     if idle:  # before any thread starts: threads inherit the policy
@@ -413,7 +443,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_runnin
             os.nice(19)
     torch.set_num_threads(threads)
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
-    server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)
+    server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed,
+                          keys=Keys.from_env(), weights_root=weights_root)
     from streamrl.connectors.ports import listen_socket, port_of
 
     sock = socket.socket(fileno=sock_fd) if sock_fd is not None else listen_socket(host, port)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,7 +27,9 @@ from typing import Any
 
 import ray
 
+from streamrl.connectors.auth import Keys
 from streamrl.connectors.engine_actor import BACKENDS, EngineActor
+from streamrl.connectors.ports import LOOPBACK
 from streamrl.connectors.router import Router
 
 log = logging.getLogger(__name__)
@@ -42,10 +45,22 @@ def ensure_ray(num_cpus: int = 4, object_store_memory: int = 200 * 1024**2, addr
     `address` (e.g. "auto", "10.0.0.5:6379", "ray://..."), join that cluster, whose resources are
     its own. Without an address a cluster already running on the machine (found through its
     session files or RAY_ADDRESS) is never joined: address="local" always starts a new instance.
-    Does nothing when Ray is already initialised in this process."""
+    Does nothing when Ray is already initialised in this process.
+
+    A local instance is locked down (`local_ray_env`): Ray's token authentication with a fresh
+    token of its own (Ray's gRPC servers listen on every interface and cannot be told otherwise,
+    so nobody without the token may talk to them), its node address and agents on 127.0.0.1,
+    no Prometheus exporter, and gloo on the loopback interface. Joining a cluster uses that
+    cluster's own authentication (RAY_AUTH_MODE / RAY_AUTH_TOKEN or ~/.ray/auth_token)."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not address:
+        os.environ.update(local_ray_env())
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")  # Ray read RAY_AUTH_MODE when it was imported: let it see token mode
+        AuthenticationTokenLoader.instance().reset_cache()  # and the new token, if it started before
+        kwargs.setdefault("_node_ip_address", LOOPBACK)
     host, _, port = (address or "").rpartition(":")
     if host and port.isdigit() and "://" not in address:  # Ray would retry a dead GCS address for minutes
         try:
@@ -63,6 +78,12 @@ def ensure_ray(num_cpus: int = 4, object_store_memory: int = 200 * 1024**2, addr
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         where = f"join the Ray cluster at {address!r}" if address else "start a local Ray instance"
         raise RayUnavailable(f"could not {where}: {type(e).__name__}: {first}") from e
+
+
+def local_ray_env() -> dict[str, str]:
+    """Environment of a locked-down local Ray instance (see ensure_ray); its processes inherit it."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_urlsafe(32),
+            "RAY_enable_metrics_collection": "0", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 @dataclass
@@ -95,7 +116,8 @@ class EngineLauncher:
                  tp: int = 1, num_cpus: float = 1, num_gpus: float | None = None,
                  engine_kwargs: dict[str, Any] | None = None, poll_interval_s: float = 1.0,
                  startup_timeout_s: float = 600, on_restart: OnRestart | None = None,
-                 max_restarts: int | None = None, actor_options: dict[str, Any] | None = None) -> None:
+                 max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
+                 keys: Keys | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if num_engines < 1:
@@ -110,6 +132,7 @@ class EngineLauncher:
         self.poll_interval_s, self.startup_timeout_s = poll_interval_s, startup_timeout_s
         self.on_restart, self.max_restarts = on_restart, max_restarts
         self.actor_options = actor_options or {}
+        self.keys = router.keys if router is not None else keys or Keys()  # the engines' keys are the router's
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.restarts = 0
@@ -132,7 +155,7 @@ class EngineLauncher:
         opts = {"num_cpus": self.num_cpus, "num_gpus": num_gpus, **self.actor_options}
         return EngineActor.options(**opts).remote(
             index, self.model_dir, self.backend, str(self.log_dir), self.weight_version, self.tp,
-            self.extra_args, self.engine_kwargs, "127.0.0.1", self.startup_timeout_s)
+            self.extra_args, self.engine_kwargs, "127.0.0.1", self.startup_timeout_s, keys=self.keys)
 
     async def start(self, watch: bool = True) -> list[str]:
         if self.actors:

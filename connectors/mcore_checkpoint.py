@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import io
 import json
 import os
 import random
@@ -308,9 +309,19 @@ def _split_model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
                 t = t.clone(memory_format=torch.contiguous_format)
             seen.add(key)
             tensors[k] = t
+        elif isinstance(v, io.BytesIO):  # TransformerEngine's `_extra_state`: bytes, kept as a tensor
+            other[k] = {_BYTES_KEY: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8)}
         else:
             other[k] = v
     return tensors, other
+
+
+_BYTES_KEY = "__bytes__"  # marks a BytesIO saved as a uint8 tensor, so loading needs no pickle
+
+
+def _restore_bytes(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: io.BytesIO(v[_BYTES_KEY].numpy().tobytes()) if isinstance(v, dict) and _BYTES_KEY in v else v
+            for k, v in state.items()}
 
 
 def _check_single_process() -> None:
@@ -424,13 +435,9 @@ def load_checkpoint(learner: Any, root: str | Path, step: int | None = None, che
         raise CheckpointError(f"checkpoint {d}: meta.json version {meta['version']} does not match the directory")
     model_sd: dict[str, Any] = read("model.safetensors", lambda p: load_file(str(p), device="cpu"))
 
-    def load_extra(p: Path) -> Any:
-        try:
-            return torch.load(p, map_location="cpu", weights_only=True)
-        except Exception:  # TransformerEngine `_extra_state`s may be BytesIO: our own, verified file
-            return torch.load(p, map_location="cpu", weights_only=False)
-
-    model_sd.update(read("model_extra.pt", load_extra))
+    # weights_only everywhere: a tampered run directory must not run code on --resume or replay.
+    model_sd.update(read("model_extra.pt", lambda p: _restore_bytes(torch.load(p, map_location="cpu",
+                                                                                weights_only=True))))
     opt_sd = read("optimizer.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
     sched_sd = read("scheduler.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
     rng = read("rng.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))

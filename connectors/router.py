@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamrl.connectors.auth import ADMIN_KEY_ENV, API_KEY_ENV, Keys
 from streamrl.connectors.ports import (
     PortTaken,
     held_by,
@@ -42,16 +43,33 @@ def _die_with_parent() -> None:
         _prctl(1, signal.SIGTERM)
 
 
+# Runs sglang_router.launch_router with the run's keys added to its arguments from the environment.
+_LAUNCH = """import os, runpy, sys
+args = sys.argv[1:]
+api, admin = os.environ.pop("%s", ""), os.environ.pop("%s", "")
+if api:
+    args += ["--api-key", api]
+if admin:
+    args += ["--control-plane-api-keys", "streamrl:driver:admin:" + admin]
+sys.argv = ["sglang_router.launch_router", *args]
+runpy.run_module("sglang_router.launch_router", run_name="__main__", alter_sys=True)
+""" % (API_KEY_ENV, ADMIN_KEY_ENV)
+
+
 class Router:
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, policy: str = "round_robin",
-                 log_dir: str | Path | None = None, request_timeout_s: int = 600) -> None:
+                 log_dir: str | Path | None = None, request_timeout_s: int = 600, keys: Keys | None = None) -> None:
+        """`keys` (connectors/auth.py): the router requires the API key from clients and sends it
+        to the engines; its control plane (/workers) requires the admin key; the engine clients
+        it hands out carry both."""
         self.host, self.policy = host, policy
+        self.keys = keys or Keys()
         self.port = port or 0  # 0: a free port, chosen at start()
         self.log_dir = Path(log_dir) if log_dir else None
         self.request_timeout_s = request_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self._temp_log: Path | None = None
-        self.client = SGLangClient(self.url)
+        self.client = SGLangClient(self.url, keys=self.keys)
         self._workers: dict[str, SGLangClient] = {}
 
     @property
@@ -71,9 +89,11 @@ class Router:
         # Its metrics port is a second number the router binds itself: a clash there is retried too.
         with listen_socket() as probe:
             metrics_port = port_of(probe)
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(port),
-               "--policy", self.policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-               "--request-timeout-secs", str(self.request_timeout_s), "--log-level", "warn"]
+        args = ["--host", self.host, "--port", str(port), "--policy", self.policy, "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(metrics_port), "--request-timeout-secs", str(self.request_timeout_s),
+                "--log-level", "warn"]
+        # The keys reach the router through its environment, not its command line (`ps` shows that).
+        cmd = [sys.executable, "-c", _LAUNCH, *args]
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / "router.log"
@@ -86,7 +106,7 @@ class Router:
         with open(log_path, "ab") as out:
             self.proc = proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
-                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"), **self.keys.env()})
 
         def output() -> str:
             with open(log_path, "rb") as f:
@@ -144,7 +164,7 @@ class Router:
 
     async def add_worker(self, url: str, timeout_s: float = 60) -> None:
         """Register a worker and wait until the router lists it as healthy."""
-        async with SGLangClient(url) as probe:
+        async with SGLangClient(url, keys=self.keys) as probe:
             await probe.wait_healthy(timeout_s)
         await self.client.json("POST", "/workers", {"url": url})
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -152,7 +172,7 @@ class Router:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"router did not register {url} within {timeout_s}s")
             await asyncio.sleep(0.1)
-        self._workers[url] = SGLangClient(url, connect_retries=1)  # control calls to a dead engine fail fast
+        self._workers[url] = SGLangClient(url, connect_retries=1, keys=self.keys)  # a dead engine fails fast
 
     async def remove_worker(self, url: str, timeout_s: float = 10) -> None:
         """Deregister a worker and wait until the router no longer lists it (the router's

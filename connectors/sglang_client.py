@@ -15,6 +15,7 @@ import aiohttp
 import msgspec
 
 from streamrl.connectors import sglang_api as api
+from streamrl.connectors.auth import Keys, bearer
 from streamrl.core.types import VersionSpan
 
 
@@ -27,6 +28,12 @@ class EngineError(Exception):
 # A call that failed this way produced nothing usable (the engine died, restarted or refused):
 # callers resubmit from what they have.
 ENGINE_FAILURES: tuple[type[BaseException], ...] = (EngineError, aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def retryable(e: BaseException) -> bool:
+    """Whether sending the same request again can succeed: not after a 4xx, which says the request
+    itself is wrong (a bad sampling parameter, a missing key), except 408/429 (try later)."""
+    return not (isinstance(e, EngineError) and 400 <= e.status < 500 and e.status not in (408, 429))
 
 
 class FinishReason(msgspec.Struct, kw_only=True):
@@ -82,8 +89,13 @@ _results = msgspec.json.Decoder(list[GenerateResult])
 
 
 class SGLangClient:
-    def __init__(self, base_url: str, timeout_s: float = 600, connect_retries: int = 5, limit: int = 1024) -> None:
+    """`keys`: the run's engine/router keys; each request carries the one its path needs
+    (connectors/auth.py)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600, connect_retries: int = 5, limit: int = 1024,
+                 keys: Keys | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.keys = keys or Keys()
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.connect_retries = connect_retries
         self._limit = limit
@@ -108,12 +120,12 @@ class SGLangClient:
     async def request(self, method: str, path: str, body: Any = None, retries: int | None = None) -> bytes:
         url = self.base_url + path
         data = None if body is None else msgspec.json.encode(body)
+        headers = {"Content-Type": "application/json", **bearer(self.keys.for_path(path))}
         retries = self.connect_retries if retries is None else retries
         for attempt in range(retries + 1):
             sess = await self._sess()
             try:
-                async with sess.request(method, url, data=data,
-                                        headers={"Content-Type": "application/json"}) as resp:
+                async with sess.request(method, url, data=data, headers=headers) as resp:
                     raw = await resp.read()
                     if resp.status >= 400:
                         raise EngineError(url, resp.status, _message(raw))

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from streamrl.connectors.auth import Keys
 from streamrl.connectors.sglang_client import SGLangClient
 from streamrl.core.types import SampleGroup, make_group_id
 from streamrl.plugins.data import PromptSource
@@ -77,7 +78,7 @@ async def produce(run_dir: Path, producer_id: str, data: str | None, turns: int,
     while (rec := source.next()) is not None and (limit is None or len(recs) < limit):
         recs.append(rec)
     try:
-        async with SGLangClient(st["router_url"], connect_retries=2) as engines:
+        async with SGLangClient(st["router_url"], connect_retries=2, keys=Keys(api=st["router_api_key"])) as engines:
             await asyncio.gather(*(one(rec, engines) for rec in recs))
     except (aiohttp.ClientError, OSError, ProducerError) as e:
         if isinstance(e, ProducerError) and e.status != 0:  # 0: the service could not be reached

@@ -143,7 +143,10 @@ def wait_port(host: str, port: int, proc: subprocess.Popen[bytes] | None = None,
 class EngineProc:
     """One embedded engine in a subprocess: `serve(model_dir, port=P)` with the default host."""
 
-    def __init__(self, model_dir: str | Path, log_path: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, log_path: str | Path, env: dict[str, str] | None = None,
+                 **serve_kwargs: object) -> None:
+        """`env`: added to the engine's environment (e.g. its keys, connectors/auth.py);
+        `serve_kwargs`: more arguments of connectors/engine_server.serve (e.g. weights_root)."""
         from streamrl.connectors.ports import listen_socket, port_of
 
         self.model_dir = str(model_dir)
@@ -155,10 +158,11 @@ class EngineProc:
         with listen_socket() as sock:  # the engine inherits it: the port is never free to be taken
             self.port = port_of(sock)
             code = (f"from streamrl.connectors.engine_server import serve; "
-                    f"serve({self.model_dir!r}, port={self.port}, sock_fd={sock.fileno()})")
+                    f"serve({self.model_dir!r}, port={self.port}, sock_fd={sock.fileno()}, **{serve_kwargs!r})")
             self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=self._log,
                                          stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),),
-                                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+                                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                                              **(env or {})})
         self.pid = self.proc.pid
         self.returncode: int | None = None
         self.killed = False

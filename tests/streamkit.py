@@ -114,7 +114,6 @@ def child_env() -> dict[str, str]:
     hands PYTHONPATH on to its Ray workers, so `rewardkit:fn` imports there too)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    env["RAY_AUTH_MODE"] = "disabled"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env

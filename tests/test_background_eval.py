@@ -37,7 +37,6 @@ def ray_cluster():
 
     from streamrl.connectors.launcher import ensure_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ensure_ray(num_cpus=2)
     try:
         yield

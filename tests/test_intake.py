@@ -42,8 +42,9 @@ def test_a_valid_group_passes():
     (lambda g: g.samples[1].response_tokens.__setitem__(0, -1), "samples[1].response_tokens has token id -1"),
     (lambda g: setattr(g.samples[2], "reward", None),
      "samples[2].reward is None; every sample that is not failed needs a reward"),
-    (lambda g: setattr(g.samples[0], "reward", float("nan")), "samples[0].reward is nan"),
-    (lambda g: setattr(g.samples[0], "reward", float("inf")), "rewards must be finite"),
+    (lambda g: setattr(g.samples[0], "reward", float("nan")), "samples[0].reward nan is not a finite number"),
+    (lambda g: setattr(g.samples[0], "reward", float("inf")), "samples[0].reward inf is not a finite number"),
+    (lambda g: setattr(g.samples[0], "reward", 1e39), "samples[0].reward 1e+39 is not a finite number within +-1e+06"),
 ])
 def test_refusals_name_the_field_and_value(mutate, expected):
     g = group()

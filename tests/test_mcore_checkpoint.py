@@ -334,3 +334,42 @@ def test_export_hf_loads_in_transformers_with_the_learner_logits(model_dir: Path
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.encode("1+2=") == AutoTokenizer.from_pretrained(str(model_dir)).encode("1+2=")
     assert tok.chat_template
+
+
+# ---------------------------------------------------------------- (5) no code from a run directory
+
+TAMPER = """
+    import io, json, os, sys, torch
+    from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
+    from streamrl.connectors import mcore_checkpoint as mc
+    model_dir, root, marker = sys.argv[1:4]
+    init_single_process()
+    learner = MegatronLearner(model_dir, lr=1e-2)
+    # TransformerEngine keeps `_extra_state`s as BytesIO: they round-trip without pickle.
+    extra = {"decoder.layers.0.self_attention.core_attention._extra_state": io.BytesIO(b"te-state")}
+    sd = learner.model.state_dict
+    learner.model.state_dict = lambda *a, **k: {**sd(*a, **k), **extra}
+    d = mc.save_checkpoint(learner, root)
+    restored = mc._restore_bytes(torch.load(d / "model_extra.pt", weights_only=True))
+    ok = restored["decoder.layers.0.self_attention.core_attention._extra_state"].getvalue() == b"te-state"
+
+    class Evil:  # what a tampered run directory could hold
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"decoder.final_layernorm._extra_state": Evil()}, d / "model_extra.pt")
+    mc._write_manifest(d, learner.version, [p.name for p in d.iterdir() if p.name != mc.MANIFEST])  # re-signed too
+    try:
+        mc.load_checkpoint(learner, root)
+        refused = ""
+    except mc.CheckpointError as e:
+        refused = str(e)
+    print(json.dumps({"bytes_round_trip": ok, "refused": refused, "ran": os.path.exists(marker)}))
+"""
+
+
+def test_loading_a_checkpoint_never_unpickles(model_dir: Path, tmp_path: Path) -> None:
+    res = run_script(TAMPER, str(model_dir), str(tmp_path / "ckpt"), str(tmp_path / "pwned"))
+    assert res["bytes_round_trip"] is True
+    assert "model_extra.pt cannot be read" in res["refused"], res
+    assert res["ran"] is False and not (tmp_path / "pwned").exists()

@@ -29,11 +29,10 @@ SFT = """
 
 
 @pytest.mark.slow
-def test_sft_lowers_the_loss_in_under_a_minute(model_dir: Path) -> None:
+def test_sft_lowers_the_loss(model_dir: Path) -> None:
     res = run_script(SFT, str(model_dir))
     assert res["version"] == 100
     assert res["last"] < 0.5 * res["first"], res
-    assert res["seconds"] < 60, res
 
 
 RL = """

@@ -68,7 +68,7 @@ def test_installed_wheel_runs_a_project_outside_the_checkout(wheel: Path, tmp_pa
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
     def cli(*args: str, cwd: Path = tmp_path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(bin_), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

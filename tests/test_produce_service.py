@@ -51,7 +51,7 @@ def make_run(root: Path, **api: Any) -> Path:
 
 
 def child_env() -> dict[str, str]:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
@@ -142,8 +142,47 @@ def test_health_auth_and_status(svc: Service):
     for key in ("version", "room", "outstanding", "started", "stored", "accepted", "duplicates", "refused"):
         assert key in st
     assert json.loads((svc.run / "producer.json").read_text())["pid"] == svc.proc.pid
-    (svc.run / "endpoints.json").write_text(json.dumps({"router_url": "http://127.0.0.1:1"}))
-    assert http("GET", svc.url + "/v1/status", token=svc.token)[1]["router_url"] == "http://127.0.0.1:1"
+    (svc.run / "endpoints.json").write_text(json.dumps({"router_url": "http://127.0.0.1:1", "api_key": "k"}))
+    st = http("GET", svc.url + "/v1/status", token=svc.token)[1]
+    assert (st["router_url"], st["router_api_key"]) == ("http://127.0.0.1:1", "k")  # to authenticated producers
+
+
+def test_numbers_that_would_poison_the_weights_are_refused(svc: Service):
+    """A huge or non-finite reward, NaN log-probs, a mask of 255, a msgpack array of the wrong byte
+    length: each a 4xx naming the problem, never stored, never a 500."""
+    import msgspec
+    import numpy as np
+
+    from streamrl.core.types import to_msgpack
+
+    svc.make_room(1)
+    url = svc.url + "/v1/groups"
+    lease = run(_lease(svc))
+    ok = json.loads(to_json(Submission(lease_id=lease, group=group(150))))
+
+    def sample0(**change: Any) -> bytes:
+        bad = json.loads(json.dumps(ok))
+        bad["group"]["samples"][0].update(change)
+        return json.dumps(bad).encode()
+
+    for body, words in ((sample0(reward=1e39), "reward 1e+39 is not a finite number"),
+                        (sample0(rewards={"judge": -1e7}), "is not a finite number within"),
+                        (sample0(rollout_logprobs=[1e39] * len(ok["group"]["samples"][0]["rollout_logprobs"])),
+                         "rollout_logprobs must hold finite numbers")):
+        status, out = http("POST", url, token=svc.token, body=body, ctype="application/json")
+        assert status == 422 and words in out["error"]["reason"], out
+    g = group(151)
+    g.samples[0].rollout_logprobs = np.full_like(g.samples[0].rollout_logprobs, np.nan)
+    g.samples[1].loss_mask = np.full_like(g.samples[1].loss_mask, 255)
+    status, out = http("POST", url, token=svc.token, body=to_msgpack(Submission(lease_id=lease, group=g)),
+                       ctype="application/msgpack")
+    assert status == 422 and "must hold finite numbers" in out["error"]["reason"], out
+    raw = msgspec.msgpack.decode(to_msgpack(Submission(lease_id=lease, group=group(152))))
+    raw["group"]["prompt_tokens"] = msgspec.msgpack.Ext(1, b"\x01\x00\x00")  # 3 bytes of int32
+    status, out = http("POST", url, token=svc.token, body=msgspec.msgpack.encode(raw), ctype="application/msgpack")
+    assert status == 422 and "not a multiple of 4" in out["error"]["reason"], out
+    status, _ = http("GET", svc.url + "/v1/groups/env:e0:p150", token=svc.token)
+    assert status == 404  # nothing was stored
 
 
 def test_oversize_body_is_413_before_decoding(svc: Service):

@@ -302,8 +302,10 @@ def test_raising_function_marks_samples_never_propagates():
 
 
 @pytest.mark.parametrize("value,expect", [
-    (float("nan"), "non-finite reward nan"),
-    (math.inf, "non-finite reward inf"),
+    (float("nan"), "returned the reward nan is not a finite number"),
+    (math.inf, "returned the reward inf is not a finite number"),
+    (1e39, "returned the reward 1e+39 is not a finite number within +-1e+06"),  # inf once in float32
+    ({"reward": 1.0, "len": -1e7}, "component 'len' is -10000000.0; components must be finite numbers within"),
     ("1.0", "returned str '1.0'"),
     (None, "returned NoneType None"),
     ([1.0], "returned list [1.0]"),

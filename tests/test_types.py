@@ -296,7 +296,13 @@ INVALID = {
     "tokens_str": (_with(response_tokens="1 2 3"), r"expected an array \(list of numbers\), got str"),
     "tokens_null": (_with(response_tokens=None), r"expected an array \(list of numbers\), got NoneType"),
     "token_not_number": (_with(response_tokens=[1, "a", 3]), r"response_tokens must hold int32 token ids"),
-    "logprob_not_number": (_with(rollout_logprobs=["x", 0, 0]), r"rollout_logprobs must hold numbers"),
+    "logprob_not_number": (_with(rollout_logprobs=["x", 0, 0]), r"rollout_logprobs must hold finite numbers"),
+    # Numbers that would poison the weights: finite in float64 but not in float32, or out of range.
+    "logprob_overflows_float32": (_with(rollout_logprobs=[-1e39, 0, 0]), r"rollout_logprobs must hold finite"),
+    "logprob_positive": (_with(rollout_logprobs=[0.5, -0.1, -0.1]), r"rollout_logprobs holds 0.5; log-probs are <= 0"),
+    "reward_huge": (_with(reward=1e39), r"reward 1e\+39 is not a finite number within \+-1e\+06"),
+    "reward_component_huge": (_with(reward=1.0, rewards={"fmt": -2e6}), r"rewards\['fmt'\] -2000000.0 is not a finite"),
+    "mask_255": (_with(loss_mask=[1, 255, 0]), r"loss_mask must hold 0/1 values"),
 }
 
 
@@ -308,6 +314,21 @@ def test_invalid_sample_raises_validation_error(case, codec):
     dec = from_json if codec == "json" else from_msgpack
     with pytest.raises(msgspec.ValidationError, match=pattern):
         dec(data, Sample)
+
+
+@pytest.mark.parametrize("field, value, pattern", [
+    ("rollout_logprobs", np.array([np.nan, -0.1, -0.2], np.float32), "must hold finite numbers"),
+    ("rollout_logprobs", np.array([-np.inf, -0.1, -0.2], np.float32), "must hold finite numbers"),
+    ("loss_mask", np.array([1, 255, 0], np.uint8), "must hold 0/1 values"),
+    ("reward", float("nan"), "is not a finite number"),
+])
+def test_msgpack_arrays_with_poison_values_are_refused(field, value, pattern):
+    """Over msgpack, token arrays travel as raw bytes of the right dtype: their values are checked
+    too (a NaN log-prob or a mask of 255 used to pass)."""
+    s = from_json(json.dumps(GOOD_SAMPLE), Sample)
+    setattr(s, field, value)  # past the constructor, as a producer in another language could send it
+    with pytest.raises(msgspec.ValidationError, match=pattern):
+        from_msgpack(to_msgpack(s), Sample)
 
 
 def test_invalid_sample_inside_group_says_which_sample():
@@ -447,3 +468,10 @@ def test_lost_groups_are_not_accounted_as_a_state():
     led = Ledger(admitted=3, consumed=2, lost=1)
     assert not led.balanced
     assert not Ledger(admitted=3, consumed=2).balanced
+
+
+def test_msgpack_array_of_the_wrong_byte_length_is_a_validation_error():
+    """A producer's int32 array of 6 bytes: a 422 from the producer API (ValidationError), not a 500."""
+    doc = {**GOOD_SAMPLE, "response_tokens": msgspec.msgpack.Ext(1, b"\x01\x00\x00\x00\x02\x00")}
+    with pytest.raises(msgspec.ValidationError, match="has 6 bytes, not a multiple of 4"):
+        from_msgpack(msgspec.msgpack.encode(doc), Sample)

@@ -7,6 +7,7 @@ are coerced back to the right dtype on decode, so a producer in any language can
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Union
 
 import msgspec
@@ -53,25 +54,41 @@ def check_spans(spans: list[VersionSpan], num_tokens: int, where: str = "") -> N
 
 
 _I32 = np.iinfo(np.int32)
+# Every way into the pool (rollout workers, agent episodes, the producer API, DirectProducer) builds
+# Samples, so these bounds hold for everything the learner ever reads: one bad number must not
+# turn the weights into NaN (a reward of 1e39 is finite in float64 and inf in float32).
+REWARD_LIMIT = 1e6  # |reward| and |component| bound: far beyond any reward scale, exact in float32
+LOGPROB_MAX = 1e-3  # log-probs are <= 0; the slack absorbs rounding
+
+
+def number_problem(value: Any, limit: float = REWARD_LIMIT) -> str | None:
+    """Why `value` is not a usable reward (None when it is): a finite number within +-limit."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return f"{value!r} is not a number"
+    if not math.isfinite(f) or abs(f) > limit:
+        return f"{value!r} is not a finite number within +-{limit:g}"
+    return None
 
 
 def _array(a: Any, dtype: type, name: str) -> np.ndarray:
     """Coerce to a 1-D array of `dtype`, refusing lossy casts (floats to ints, out-of-range
     ids, nulls, masks other than 0/1) instead of silently corrupting data."""
-    if isinstance(a, np.ndarray) and a.dtype == dtype:
+    if isinstance(a, np.ndarray) and a.dtype == dtype and dtype is np.int32:
         return np.ascontiguousarray(a).reshape(-1)
     arr = np.asarray(a)
     if arr.size == 0:
         return np.empty(0, dtype)
     kind = arr.dtype.kind
-    if dtype is np.float32:
-        ok = kind in "iuf"
+    if dtype is np.float32:  # finite after the cast: 1e39 is finite in float64, inf in float32
+        ok = kind in "iuf" and bool(np.isfinite(arr.astype(np.float32)).all())
     elif dtype is np.uint8:
         ok = kind in "iub" and bool(((arr == 0) | (arr == 1)).all())
     else:
         ok = kind in "iu" and arr.min() >= _I32.min and arr.max() <= _I32.max
     if not ok:
-        want = {np.float32: "numbers", np.uint8: "0/1 values", np.int32: "int32 token ids"}[dtype]
+        want = {np.float32: "finite numbers", np.uint8: "0/1 values", np.int32: "int32 token ids"}[dtype]
         raise ValueError(f"{name} must hold {want}, got {np.asarray(a).ravel()[:8].tolist()}")
     return np.ascontiguousarray(arr, dtype=dtype).reshape(-1)
 
@@ -102,6 +119,12 @@ class Sample(msgspec.Struct, kw_only=True):
                 f"log-probs and {len(self.loss_mask)} mask entries; all three must be equal"
             )
         check_spans(self.spans, n, where=f"sample {self.index}")
+        if n and float(self.rollout_logprobs.max()) > LOGPROB_MAX:
+            raise ValueError(f"sample {self.index}: rollout_logprobs holds {float(self.rollout_logprobs.max())}; "
+                             "log-probs are <= 0")
+        for what, v in (("reward", self.reward), *((f"rewards[{k!r}]", x) for k, x in self.rewards.items())):
+            if v is not None and (why := number_problem(v)):
+                raise ValueError(f"sample {self.index}: {what} {why}")
 
     @property
     def num_tokens(self) -> int:
@@ -258,6 +281,9 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     dtype = _EXT_DTYPES.get(code)
     if dtype is None:
         raise msgspec.ValidationError(f"unknown msgpack ext code {code} (1=int32, 2=float32, 3=uint8 arrays)")
+    if len(data) % np.dtype(dtype).itemsize:
+        raise msgspec.ValidationError(f"a msgpack ext {code} array ({np.dtype(dtype).name}) has {len(data)} bytes, "
+                                      f"not a multiple of {np.dtype(dtype).itemsize}")
     return np.frombuffer(data, dtype=dtype)
 
 

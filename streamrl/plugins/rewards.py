@@ -14,7 +14,6 @@ import asyncio
 import inspect
 import json
 import logging
-import math
 import os
 import re
 import string
@@ -22,6 +21,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+from streamrl.core.types import REWARD_LIMIT, number_problem
 from streamrl.recipe import resolve_fn
 
 log = logging.getLogger("streamrl.plugins.rewards")
@@ -301,8 +301,9 @@ class RewardHub:
                 if k == "reward":
                     continue
                 f = _as_float(v)
-                if f is None or not math.isfinite(f):
-                    return self._bad(f"component {k!r} is {_head(v)}; components must be finite numbers")
+                if f is None or number_problem(f):
+                    return self._bad(f"component {k!r} is {_head(v)}; components must be finite numbers "
+                                     f"within +-{REWARD_LIMIT:g}")
                 comps[str(k)] = f
             shown = value["reward"]
         else:
@@ -310,8 +311,8 @@ class RewardHub:
         if reward is None:
             return self._bad(f"returned {type(shown).__name__} {_head(shown)}; return a number or "
                              "{'reward': number, **numeric components}")
-        if not math.isfinite(reward):
-            return self._bad(f"returned the non-finite reward {reward}")
+        if why := number_problem(reward):
+            return self._bad(f"returned the reward {why}")
         return Scored(reward, comps, None)
 
     def _bad(self, what: str) -> Scored:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.connectors import sglang_api as api
-from streamrl.connectors.sglang_client import ENGINE_FAILURES
+from streamrl.connectors.sglang_client import ENGINE_FAILURES, retryable
 from streamrl.core import partial
 from streamrl.core.types import Sample, VersionSpan
 
@@ -139,7 +139,7 @@ class Episode:
             except ENGINE_FAILURES as e:  # the engine died or was restarted: resubmit what we have
                 failures += 1
                 self.stats["engine_errors"] += 1
-                if failures >= self.retries:
+                if not retryable(e) or failures >= self.retries:  # a 4xx: the same request fails again
                     raise EpisodeError(f"generation failed {failures} times in a row: {type(e).__name__}: {e}") from e
                 await asyncio.sleep(min(5.0, 0.2 * failures))
                 continue

@@ -8,7 +8,6 @@ an argument. The HTTP service is streamrl/producers/service.py; the SDK streamrl
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 import uuid
 from typing import Annotated
@@ -17,7 +16,7 @@ import msgspec
 import numpy as np
 
 from streamrl.core import staleness
-from streamrl.core.types import SampleGroup, to_msgpack
+from streamrl.core.types import SampleGroup, number_problem, to_msgpack
 
 PRODUCER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 RESERVED_PREFIX = "rollout-"  # the run's own rollout workers
@@ -91,8 +90,8 @@ def check_group(group: SampleGroup, *, producer_id: str, n_samples: int | None, 
             return f"{where} has no response tokens; every sample that is not failed needs at least one"
         if s.reward is None:
             return f"{where}.reward is None; every sample that is not failed needs a reward"
-        if not math.isfinite(s.reward):
-            return f"{where}.reward is {s.reward}; rewards must be finite"
+        if why := number_problem(s.reward):
+            return f"{where}.reward {why}"
         if not s.spans:
             return f"{where}.spans is empty; every sample that is not failed needs version spans"
     top = group.max_version

@@ -34,7 +34,8 @@ prompt+response within max_position_embeddings, each sample not `failed` has >= 
 finite reward and version spans, and no span's version is newer than the run has published. A
 refused group raises ProducerError with the service's reason. `lease.version` is the version the
 learner had when the lease was granted; `status()["router_url"]` is the run's sglang-router, which
-serves the current policy.
+serves the current policy and needs `status()["router_api_key"]` (`SGLangClient(url,
+keys=Keys(api=key))`, or `Authorization: Bearer <key>`).
 
 With direct access to the pool's storage, `DirectProducer` appends without the service.
 """

@@ -7,7 +7,7 @@ reached), then submits each group under its lease (`POST /v1/groups`). Group ids
 keys, so a producer may retry any submission, also after either side was killed.
 
 Files in RUN_DIR: reads recipe.yaml, events.jsonl (the published version), endpoints.json
-(router_url, if there); writes producer_token (0600, created once), producer.json ({url, pid,
+(router_url and the router's API key, handed to authenticated producers; if there); writes producer_token (0600, created once), producer.json ({url, pid,
 token_file} while serving), producer.lock (one service per run) and logs/producer.log (one line
 per refused submission).
 """
@@ -175,12 +175,13 @@ class ProducerService:
         now = time.time()
         endpoints = self.dir / "endpoints.json"
         try:
-            router_url = json.loads(endpoints.read_text()).get("router_url") if endpoints.exists() else None
+            ends = json.loads(endpoints.read_text()) if endpoints.exists() else {}
         except (OSError, ValueError):
-            router_url = None
+            ends = {}
         return {"version": self.version, "max_staleness": self.eta, "groups_per_step": self.gps,
                 "n_samples": self.n, "room": self.room(now), "outstanding": self.leases.outstanding(now),
-                "started": self.started, "stored": self.stored, "router_url": router_url,
+                "started": self.started, "stored": self.stored, "router_url": ends.get("router_url"),
+                "router_api_key": ends.get("api_key"),  # generation only (the run's admin key stays with it)
                 "vocab_size": self.vocab_size, "max_tokens": self.max_tokens, "lease_s": self.leases.lease_s,
                 "max_body_bytes": self.max_body, "accepted": self.counters["accepted"],
                 "duplicates": self.counters["duplicates"], "refused": dict(self.refused)}

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamrl.connectors.auth import Keys
 from streamrl.plugins.data import PromptRecord
 from streamrl.recipe import Recipe
 from streamrl.runtime.runlog import RunLog
@@ -53,11 +54,12 @@ class BackgroundEval:
     def __init__(self, recipe: Recipe, log: RunLog, tokenizer: Any, records: list[PromptRecord], model_dir: str, *,
                  backend: str, engine_kwargs: dict[str, Any] | None, extra_args: Sequence[str] = (), tp: int = 1,
                  log_dir: Path, max_pending: int = 2, clock: Callable[[], float] = time.perf_counter,
-                 t0: float = 0.0, startup_timeout_s: float = 600) -> None:
+                 t0: float = 0.0, startup_timeout_s: float = 600, keys: Keys | None = None) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self.recipe, self.log, self.tokenizer, self.records = recipe, log, tokenizer, list(records)
         self.model_dir, self.backend, self.tp = str(model_dir), backend, tp
+        self.keys = keys  # its engine's keys (connectors/auth.py)
         self.engine_kwargs = {**(engine_kwargs or {}), "idle": True} if backend == "embedded" else engine_kwargs
         self.extra_args, self.log_dir = list(extra_args), Path(log_dir)
         self.max_pending, self.clock, self.t0 = max_pending, clock, t0
@@ -86,14 +88,14 @@ class BackgroundEval:
         # but no CPU reserved: the run's Ray cluster is sized for the rollout engines.
         spec = EngineLauncher(self.model_dir, 1, None, self.backend, self.log_dir / "eval",  # type: ignore[arg-type]
                               self.extra_args, tp=self.tp, num_cpus=0, engine_kwargs=self.engine_kwargs,
-                              startup_timeout_s=self.startup_timeout_s)
+                              startup_timeout_s=self.startup_timeout_s, keys=self.keys)
         self._actor = spec.new_actor(0)
         try:
             self.url = await self._actor.start.remote()
         except BaseException:
             await self.stop()
             raise
-        self._client = SGLangClient(self.url)
+        self._client = SGLangClient(self.url, keys=self.keys)
         self._task = asyncio.create_task(self._loop(), name="background-eval")
         self.log.info(f"background evaluation engine up at {self.url} (log {self.log_dir / 'eval'})")
 

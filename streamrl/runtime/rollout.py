@@ -25,7 +25,8 @@ from collections import Counter
 from typing import Any
 
 from streamrl.connectors import sglang_api as api
-from streamrl.connectors.sglang_client import ENGINE_FAILURES, SGLangClient
+from streamrl.connectors.auth import Keys
+from streamrl.connectors.sglang_client import ENGINE_FAILURES, SGLangClient, retryable
 from streamrl.core import partial, staleness
 from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_group_id
 from streamrl.plugins.data import PromptRecord, PromptSource
@@ -52,7 +53,7 @@ def decode_response(tokenizer: Any, tokens: list[int]) -> str:
 
 class RolloutWorker:
     def __init__(self, recipe: Recipe, router_url: str, index: int = 0, num_workers: int = 1,
-                 version: int = 0, data_state: dict | None = None) -> None:
+                 version: int = 0, data_state: dict | None = None, api_key: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         from streamrl.pools import LancePool
@@ -68,7 +69,7 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path)
         self.pool = LancePool(recipe.pool_uri, commit_max_rows=recipe.pool.commit_max_rows,
                               commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0)
-        self.client = SGLangClient(router_url, connect_retries=2)
+        self.client = SGLangClient(router_url, connect_retries=2, keys=Keys(api=api_key))  # generation only
         self.log = RunLog(recipe.run_dir, echo=False)
         self.rewards = RewardHub(recipe.reward.fn, recipe.reward.args)
         self.env = agent.EnvHub(recipe.env.fn, recipe.env.args) if recipe.env else None
@@ -331,11 +332,12 @@ class RolloutWorker:
             calls = [self.client.generate_batch(
                 [partial.next_request(trajs[i])[0] for i in idx],
                 api.SamplingParams(**self.sampling, max_new_tokens=budget)) for budget, idx in by_budget.items()]
-            aborted = failed = False
+            aborted = failed = refused = False
             for idx, res in zip(by_budget.values(), await asyncio.gather(*calls, return_exceptions=True)):
                 if isinstance(res, ENGINE_FAILURES):
                     # Nothing came back from this call (e.g. its engine died): resubmit from what we have.
                     failed, error = True, f"{type(res).__name__}: {res}"
+                    refused = refused or not retryable(res)  # a 4xx: the same request fails again
                     self.stats["engine_errors"] += 1
                     continue
                 if isinstance(res, BaseException):
@@ -350,10 +352,11 @@ class RolloutWorker:
                 state["saving"] = asyncio.create_task(self._save_partial(gid, prompt_id, meta, trajs, state))
             if failed:
                 failures += 1
-                if failures >= partial.ENGINE_RETRIES:
+                if refused or failures >= partial.ENGINE_RETRIES:
+                    why = "the engine refused the request" if refused else f"generation failed {failures} times in a row"
                     for t in trajs:
                         if not t.done:
-                            t.error = f"generation failed {failures} times in a row: {error}"
+                            t.error = f"{why}: {error}"
                     return
                 await asyncio.sleep(min(5.0, 0.2 * failures))
             else:
@@ -407,12 +410,12 @@ class _ActorWorker:
     """Ray wrapper: builds the worker inside the actor's event loop."""
 
     def __init__(self, recipe_json: bytes, router_url: str, index: int, num_workers: int, version: int,
-                 data_state: dict | None) -> None:
+                 data_state: dict | None, api_key: str | None = None) -> None:
         import msgspec
 
         logging.basicConfig(level=logging.WARNING)
         self._args = (msgspec.json.decode(recipe_json, type=Recipe), router_url, index, num_workers, version,
-                      data_state)
+                      data_state, api_key)
         self.w: RolloutWorker | None = None
 
     async def _worker(self) -> RolloutWorker:

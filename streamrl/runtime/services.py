@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from streamrl.connectors.auth import Keys, write_private
 from streamrl.core.staleness import mode_bound
 from streamrl.core.types import RunCheckpointed, RunResumed
 from streamrl.recipe import Recipe
@@ -44,6 +45,7 @@ class Services:
         self.bg_eval: Any = None  # BackgroundEval with run.eval_mode background
         self.producer_proc: Any = None  # `streamrl produce serve` with producer_api.enabled
         self.tokenizer: Any = None
+        self.keys = Keys.new()  # this run's engine and router keys (connectors/auth.py), kept in memory
         self.interrupted = False  # Ctrl-C: stop without waiting for in-flight groups
         # Where start-up leaves the run (resume: after the checkpoint and the steps trained again).
         self.version = 0
@@ -68,7 +70,7 @@ class Services:
         recipe_json = msgspec.json.encode(r)
         need = r.engines.num + r.rollout.workers + 2
         env_vars = {"PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
+                    "OMP_NUM_THREADS": "1",
                     **({faultpoint.ENV: os.environ[faultpoint.ENV]} if os.environ.get(faultpoint.ENV) else {})}
         try:  # no ray.address: a Ray instance of this run's own, never one found on the machine
             ensure_ray(num_cpus=r.ray.num_cpus or need, address=r.ray.address, runtime_env={"env_vars": env_vars})
@@ -80,7 +82,8 @@ class Services:
         self.log.info(f"Ray: {'joined the cluster at ' + r.ray.address if r.ray.address else 'a local instance of its own'}"
                       f" (GCS {ray.get_runtime_context().gcs_address})")
         self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
-        self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs").start()
+        self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs", keys=self.keys).start()
+        self.log.info(f"sglang-router at {self.router.url} (it and the engines want this run's keys)")
         # The SFT policy is kept as an HF directory: a resumed run or a replay builds its learner
         # (and KL reference) from it; checkpoints then hold what RL changed.
         sft_dir = self.dir / "sft_model"
@@ -93,7 +96,9 @@ class Services:
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               keep_weights=r.engines.keep_weights)
+        (self.dir / "weights").mkdir(parents=True, exist_ok=True)
         kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed,
+                  "weights_root": str((self.dir / "weights").resolve()),  # the only weights an engine may load
                   **({"cpus": r.engines.cpus} if r.engines.cpus else {})} if r.engines.backend == "embedded" else None
         self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
                                       log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
@@ -106,7 +111,7 @@ class Services:
 
             self.bg_eval = BackgroundEval(r, self.log, self.tokenizer, eval_records(r), r.model.path,
                                           backend=r.engines.backend, engine_kwargs=kwargs, extra_args=r.engines.extra_args,
-                                          tp=r.engines.tp, log_dir=self.dir / "logs")
+                                          tp=r.engines.tp, log_dir=self.dir / "logs", keys=self.keys)
             bg_up = asyncio.create_task(self.bg_eval.start())
         if r.sft is not None and not sft_done:
             await self._sft()
@@ -123,7 +128,7 @@ class Services:
             self.broadcaster.version = self.version
         n = r.rollout.workers
         states = self.data_states if self.data_states and len(self.data_states) == n else [None] * n
-        self.workers = [worker_actor().remote(recipe_json, self.router.url, i, n, self.version, states[i])
+        self.workers = [worker_actor().remote(recipe_json, self.router.url, i, n, self.version, states[i], self.keys.api)
                         for i in range(n)]
         await asyncio.gather(*(w.ready.remote() for w in self.workers))
         for w in self.workers:
@@ -137,7 +142,8 @@ class Services:
         from streamrl.core.staleness import capacity_shares
         from streamrl.producers.serve import start_service_process
 
-        (self.dir / "endpoints.json").write_text(json.dumps({"router_url": self.router.url}))
+        # Producers generate through the router: the service hands them its URL and API key (not the admin key).
+        write_private(self.dir / "endpoints.json", json.dumps({"router_url": self.router.url, "api_key": self.keys.api}))
         self.producer_proc, url = await asyncio.to_thread(
             start_service_process, self.dir, os.getcwd(), self.dir / "logs" / "producer.log")
         self.log.info(f"producer API at {url} (bearer token in {self.dir / 'producer_token'}); external producers "

@@ -130,7 +130,7 @@ class Runtime:
         from streamrl.connectors.sglang_client import SGLangClient
         from streamrl.runtime.evaluate import evaluate
 
-        async with SGLangClient(self.svc.router.url) as c:
+        async with SGLangClient(self.svc.router.url, keys=self.svc.keys) as c:
             res = await evaluate(c, self.svc.tokenizer, eval_records(self.r), self.r)
         served = self.svc.broadcaster.version  # what the engines serve (the learner may be a step ahead)
         wall = time.perf_counter() - self.t0 + self.wall_offset if self.steps else self.wall_offset

@@ -120,15 +120,18 @@ def _parser() -> argparse.ArgumentParser:
     es = e.add_subparsers(dest="engine_cmd", required=True, metavar="ACTION")
     ev = es.add_parser("serve", help="serve a model directory over SGLang's native HTTP API",
                        description="Serve /generate, /abort_request, /pause_generation, weight updates, "
-                                   "/model_info and /v1/chat/completions like an SGLang server, on the CPU.")
+                                   "/model_info and /v1/chat/completions like an SGLang server, on the CPU. With "
+                                   "STREAMRL_API_KEY / STREAMRL_ADMIN_KEY in the environment it wants them as SGLang's "
+                                   "--api-key / --admin-api-key do ('Authorization: Bearer KEY'; /health needs none).")
     ev.add_argument("--model", required=True, help="HF model directory (e.g. from `streamrl model init`)")
     ev.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    ev.add_argument("--port", type=int, default=30000)
+    ev.add_argument("--port", type=int, default=30000, help="port (0: any free port, printed)")
     ev.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
     ev.add_argument("--weight-version", default="0")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: engines share the CPU; more only on an otherwise idle machine)")
+    ev.add_argument("--weights-root", help="load weights (/update_weights_from_disk) only from under this directory")
 
     pr = sub.add_parser("produce", help="let other processes stream sample groups into a run (producer API)")
     prs = pr.add_subparsers(dest="produce_cmd", required=True, metavar="ACTION")
@@ -141,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
                     "the admission capacity for them) and run.mode=stream. Start it from the directory the run "
                     "was started in (recipe paths are relative to it); `streamrl run` starts it itself.",
         epilog="""files in RUN_DIR:
-  reads   recipe.yaml, events.jsonl (the published policy version), endpoints.json (router_url),
+  reads   recipe.yaml, events.jsonl (the published policy version), endpoints.json (router_url, api_key),
           the model's config.json (vocab_size, max_position_embeddings), the pool
   writes  producer_token (bearer token, mode 0600, created once), producer.json ({url, pid,
           token_file} while serving), producer.lock (one service per run), logs/producer.log
@@ -151,7 +154,7 @@ routes (all but /health need 'Authorization: Bearer <token>'; errors are
 {"error": {"code", "reason"}}):
   GET  /health                 200 when serving
   GET  /v1/status              version, max_staleness, groups_per_step, n_samples, room,
-                               outstanding, started, stored, router_url, counters
+                               outstanding, started, stored, router_url, router_api_key, counters
   POST /v1/leases              {"producer_id", "groups"} -> {lease_id, slots, version, expires_at_s};
                                429 with retry_after_s while the staleness bound is reached
   POST /v1/groups              {"lease_id", "group": SampleGroup} as application/json or
@@ -290,7 +293,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "
                              f"`streamrl model init {args.model}`")
         serve(args.model, host=args.host, port=args.port, max_running=args.max_running,
-              weight_version=args.weight_version, seed=args.seed, threads=args.threads)
+              weight_version=args.weight_version, seed=args.seed, threads=args.threads, weights_root=args.weights_root)
         return 0
     if args.cmd == "produce":
         from streamrl.producers.serve import ServiceError, serve
@@ -364,25 +367,37 @@ def _print_table(table: Any, fmt: str) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(*table.column_names)
+        t = Table()
+        for c in table.column_names:
+            t.add_column(_cell(c))
         for row in table.to_pylist():
-            t.add_row(*(_short(row[c]) for c in table.column_names))
+            t.add_row(*(_cell(row[c]) for c in table.column_names))
         Console(width=200).print(t)
         print(f"{table.num_rows} rows")
 
 
-def _short(v: Any, limit: int = 60) -> str:
-    s = str(v)
-    return s if len(s) <= limit else s[: limit - 3] + "..."
+def _plain(v: Any, limit: int | None = None) -> str:
+    """A value from the pool, safe for a terminal: control characters shown escaped (an
+    external producer's group id could otherwise move the cursor or recolour the screen)."""
+    s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(v))
+    return s if limit is None or len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _cell(v: Any, limit: int = 60) -> Any:
+    """`_plain` as rich Text: never read as markup (a group id may hold '[/]')."""
+    from rich.text import Text
+
+    return Text(_plain(v, limit))
 
 
 def _print_stats(s: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     con = Console(width=120)
     led = s["ledger"]
-    con.print(f"[bold]{s['uri']}[/bold]: {s['rows']} rows, {s['groups']} groups, "
+    con.print(f"[bold]{escape(s['uri'])}[/bold]: {s['rows']} rows, {s['groups']} groups, "
               f"{s['response_tokens']} response tokens, versions {s['versions']['min']}..{s['versions']['max']}")
     t = Table("state", "groups", "rows", title="by status")
     for k in ("in_flight", "partial", "complete", "consumed", "dropped", "failed"):
@@ -392,7 +407,7 @@ def _print_stats(s: dict[str, Any]) -> None:
         con.print("staleness at consumption (groups): " +
                   ", ".join(f"{k}: {v}" for k, v in s["staleness_histogram"].items()))
     if s["drops_by_reason"]:
-        con.print("drops by reason: " + ", ".join(f"{k}: {v}" for k, v in s["drops_by_reason"].items()))
+        con.print(_cell("drops by reason: " + ", ".join(f"{k}: {v}" for k, v in s["drops_by_reason"].items()), 1000))
     if s["reward_by_version"]:
         t = Table("version", "groups", "mean reward", title="reward by version")
         for r in s["reward_by_version"]:
@@ -407,13 +422,13 @@ def _print_group(g: Any, tok: Any) -> None:
     def text(ids: Any) -> str:
         return tok.decode(ids.tolist(), skip_special_tokens=False) if tok is not None else str(ids.tolist())
 
-    print(f"group {g.group_id}  prompt {g.prompt_id}  status {g.status}  producer {g.producer_id}")
+    print(f"group {_plain(g.group_id)}  prompt {_plain(g.prompt_id)}  status {g.status}  producer {_plain(g.producer_id)}")
     print(f"versions {g.min_version}..{g.max_version}  consumed_step {g.consumed_step}  "
           f"drop_reason {g.drop_reason}")
     print(f"prompt: {text(g.prompt_tokens)!r}")
     for s in g.samples:
         spans = " ".join(f"v{sp.version}[{sp.start}:{sp.end})" for sp in s.spans)
-        err = f"  FAILED: {s.error}" if s.failed else ""
+        err = f"  FAILED: {_plain(s.error)}" if s.failed else ""
         masked = int((s.loss_mask == 0).sum())
         note = f" masked={masked} (shown in [[...]])" if masked else ""
         print(f"  [{s.index}] reward={s.reward} finish={s.finish_reason or '-'} tokens={s.num_tokens} "
