@@ -15,6 +15,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from streamrl.core.claims import apply_claims
 from streamrl.core.ledger import compute_ledger
 from streamrl.pools.lance_pool import ADMISSIONS_TABLE, LancePool
 from streamrl.pools.schema import ADMISSIONS_SCHEMA, META_COLUMNS, POOL_SCHEMA
@@ -25,9 +26,11 @@ STATS_VERSION = 1
 def pool_stats(pool: LancePool) -> dict[str, Any]:
     """Everything `streamrl pool stats --json` prints. Keys are stable; see README
     ("Inspecting a pool") for their meaning. New keys may be added, none renamed."""
-    meta = pool.scan(META_COLUMNS)
+    claims = pool.claims()  # claims, rows, admissions: the order LancePool.ledger reads them in
+    stored = pool.scan(META_COLUMNS, effective=False)
     adm = pool.scan(["group_id", "n"], table=ADMISSIONS_TABLE)
-    ledger = compute_ledger(adm, meta.select(["group_id", "sample_index", "status"]))
+    ledger = compute_ledger(adm, stored.select(["group_id", "sample_index", "status"]), claims)
+    meta = apply_claims(stored, claims)
     con = duckdb.connect()
     con.register("pool", meta)
 

@@ -36,6 +36,20 @@ One row per sample; group columns are repeated on each row of the group.
 The `admissions` table (one row per admitted prompt instance) feeds the ledger:
 group_id, prompt_id, n (int32), producer_id, version (int32), admitted_ns (int64).
 
+The `claims` table holds what the learner decided about stored groups, one row per group and
+decision; sample rows are never rewritten for it (streamrl.core.claims). A group's `status`,
+`drop_reason`, `claimed_ns`, `consumed_step` and `consumed_version` are its claim's when it has
+one (every read through LancePool applies this), else the stored ones:
+
+| column              | type   | meaning |
+|---------------------|--------|---------|
+| group_id            | string | the group decided about |
+| status              | string | consumed (trained on by `consumed_step`) or dropped (`drop_reason`: stale, over_sampling, ...) |
+| drop_reason         | string (null) | why a dropped group was not trained on |
+| consumed_step       | int32 (null)  | learner step that trained on the group |
+| consumed_version    | int32  | learner version at the claim |
+| claimed_ns          | int64  | when the claim was committed |
+| ready_after_version | int64  | every group still claimable after this claim was stored after this `pool` table version (where a restarted learner starts reading) |
 """
 
 from __future__ import annotations
@@ -93,6 +107,18 @@ ADMISSIONS_SCHEMA = pa.schema(
         ("producer_id", pa.string()),
         ("version", pa.int32()),
         ("admitted_ns", pa.int64()),
+    ]
+)
+
+CLAIMS_SCHEMA = pa.schema(
+    [
+        ("group_id", pa.string()),
+        ("status", pa.string()),
+        ("drop_reason", pa.string()),
+        ("consumed_step", pa.int32()),
+        ("consumed_version", pa.int32()),
+        ("claimed_ns", pa.int64()),
+        ("ready_after_version", pa.int64()),
     ]
 )
 
@@ -251,3 +277,9 @@ def admissions_to_table(admissions: Sequence[Admission]) -> pa.Table:
         schema=ADMISSIONS_SCHEMA,
     )
 
+
+def claims_to_table(columns: dict[str, list[Any]], claimed_ns: int, ready_after_version: int | None) -> pa.Table:
+    """Claim rows from streamrl.core.claims.claim_columns, stamped with the commit's time."""
+    n = len(columns["group_id"])
+    return pa.Table.from_pydict({**columns, "claimed_ns": [claimed_ns] * n,
+                                 "ready_after_version": [ready_after_version] * n}, schema=CLAIMS_SCHEMA)
