@@ -1,4 +1,4 @@
-"""Read-only views of a pool: stats, SQL (DuckDB), one group as text, Parquet export.
+"""Read-only views of a pool: stats, SQL (DuckDB), the tokenizer that decodes it (exports: pools/export.py).
 
 The pool is read at one Lance version per table, so all of this works while producers and
 the learner are still writing.
@@ -13,7 +13,6 @@ from typing import Any
 import duckdb
 import msgspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from streamrl.core.claims import apply_claims
 from streamrl.core.ledger import compute_ledger
@@ -97,13 +96,3 @@ def load_decoder(path: str | None) -> Any:
 
     return Tokenizer.from_file(str(p))
 
-
-def export_parquet(pool: LancePool, out: str, where: str | None = None) -> int:
-    """Stream the selected rows to a Parquet file; returns the row count."""
-    reader = pool.reader(where=where)
-    n = 0
-    with pq.ParquetWriter(out, reader.schema) as w:
-        for batch in reader:
-            w.write_batch(batch)
-            n += batch.num_rows
-    return n

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -151,7 +150,3 @@ def claim_columns(decisions: list[tuple[str, str, str | None]], step: int, learn
         "consumed_version": [learner_version] * len(decisions),
     }
 
-
-def positions(mask: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Row positions where a boolean mask is true (null counts as false)."""
-    return np.flatnonzero(pc.fill_null(mask, False).to_numpy(zero_copy_only=False))
