@@ -324,20 +324,19 @@ class LancePool:
     def compact(self) -> None:
         """Merge small fragments into ~16k-row ones (bounded, so a big fragment is not
         rewritten every time), drop versions older than 10 minutes, and keep the scalar
-        indices that make lookups by group fast up to date."""
-        from lancedb.index import Bitmap, BTree
-
-        indexed = {POOL_TABLE: {"group_id": BTree(), "status": Bitmap(), "uid": BTree()},
-                   ADMISSIONS_TABLE: {"group_id": BTree()}, CLAIMS_TABLE: {}}
-        for name, tbl in self._tables.items():
-            if tbl.count_rows() == 0:
+        indices that make lookups by group fast up to date. Indices are made with pylance, like
+        every read: LanceDB 0.40's own Lance ignores the index version pylance 14 writes."""
+        indexed = {POOL_TABLE: {"group_id": "BTREE", "status": "BITMAP", "uid": "BTREE"},
+                   ADMISSIONS_TABLE: {"group_id": "BTREE"}, CLAIMS_TABLE: {}}
+        for name in self._uris:
+            if self._open(name).count_rows() == 0:
                 continue
             retry_conflicts(lambda: self._open(name).optimize.compact_files(  # noqa: B023 - called at once
                 target_rows_per_fragment=COMPACT_TARGET_ROWS, materialize_deletions_threshold=0.1))
-            have = {c for idx in tbl.list_indices() for c in idx.columns}
-            for col, cfg in indexed[name].items():
+            have = {f for idx in self._open(name).describe_indices() for f in idx.field_names}
+            for col, kind in indexed[name].items():
                 if col not in have:
-                    retry_conflicts(lambda: tbl.create_index(col, config=cfg))  # noqa: B023 - called at once
+                    retry_conflicts(lambda: self._open(name).create_scalar_index(col, kind))  # noqa: B023
             if indexed[name]:
                 retry_conflicts(lambda: self._open(name).optimize.optimize_indices())  # noqa: B023 - called at once
             self._open(name).cleanup_old_versions(older_than=timedelta(minutes=10))
