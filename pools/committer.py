@@ -83,23 +83,36 @@ class Committer:
         if thread is not None:
             thread.join()
 
+    def _gather(self, first: Item, linger: bool) -> tuple[list[Item], bool]:
+        """`first` and what is queued behind it (up to max_rows); with `linger`, wait up to
+        linger_s for more. Returns the batch and whether close() was asked for."""
+        batch, rows = [first], first.table.num_rows
+        deadline = time.monotonic() + (self.linger_s if linger else 0.0)
+        while rows < self.max_rows:
+            try:
+                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic())) if linger \
+                    else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+            rows += item.table.num_rows
+        return batch, False
+
     def _loop(self) -> None:
+        concurrent = True  # did the last commit share its batch: callers overlap, lingering pays
         while True:
             first = self._queue.get()
             if first is None:
                 return
-            batch, rows, stop = [first], first.table.num_rows, False
-            deadline = time.monotonic() + self.linger_s
-            while rows < self.max_rows:
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-                rows += item.table.num_rows
+            # Whatever queued up during the last commit goes in at once. Only a lone write of a
+            # pool whose callers overlapped waits a moment for company: a single caller that
+            # waits for each commit would only lose the linger every time.
+            batch, stop = self._gather(first, linger=False)
+            if len(batch) == 1 and concurrent and not stop:
+                batch, stop = self._gather(first, linger=True)
+            concurrent = len(batch) > 1
             try:
                 self._flush(batch)
             except Exception as e:  # noqa: BLE001 - every waiting caller sees the failure

@@ -76,11 +76,14 @@ def _mentioned(sql: str, schema: pa.Schema) -> list[str]:
 
 
 def pool_query(pool: LancePool, sql: str) -> pa.Table:
-    """Run DuckDB SQL over the pool (table `pool`) and the ledger's `admissions` table."""
+    """Run DuckDB SQL over the pool (table `pool`, claims applied), the ledger's `admissions` table
+    and the learner's `claims`."""
     con = duckdb.connect()
     con.register("pool", pool.scan(_mentioned(sql, POOL_SCHEMA)))
     if re.search(r"\badmissions\b", sql):
         con.register("admissions", pool.scan(_mentioned(sql, ADMISSIONS_SCHEMA), table=ADMISSIONS_TABLE))
+    if re.search(r"\bclaims\b", sql):
+        con.register("claims", pool.claims())
     return con.sql(sql).to_arrow_table()
 
 

@@ -173,7 +173,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
                                    "document described in the README; `ledger.lost` and `ledger.duplicated` must be 0.")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    q = ps.add_parser("query", help="DuckDB SQL over the pool (table `pool`, and `admissions`)",
+    q = ps.add_parser("query", help="DuckDB SQL over the pool (tables `pool`, `admissions`, `claims`)",
                       description="Run SQL over the pool. Only the columns the query names are read, so avoid "
                                   "SELECT * on big pools. Schema: pools/schema.py.")
     q.add_argument("run_dir")
