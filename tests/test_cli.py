@@ -131,7 +131,6 @@ def test_query_while_another_process_writes(tmp_path: Path) -> None:
     writer = textwrap.dedent(f"""
         import sys, numpy as np
         from streamrl.pools import LancePool
-from streamrl.pools.schema import POOL_SCHEMA
         from streamrl.core.types import Sample, SampleGroup, VersionSpan
         pool = LancePool({str(tmp_path / 'pool')!r})
         for i in range(400):
