@@ -106,6 +106,9 @@ class LancePool:
         between threads; the session's caches are)."""
         import lance  # here, not at import: a process that loaded lance warns on every fork
 
+        if name not in self._uris:  # a pool from before claims, opened read-only, claimed from
+            self._tables[name] = self._create(name, SCHEMAS[name])
+            self._uris[name] = self._tables[name].to_lance().uri
         return lance.dataset(self._uris[name], session=self._session)
 
     def _check_files(self) -> None:

@@ -128,9 +128,10 @@ def _old_pool(uri: Path) -> None:
 def test_a_pool_from_before_claims_reads_and_claims(run_dir: Path) -> None:
     _old_pool(run_dir / "pool")
     with open_pool(str(run_dir)) as ro:
-        assert ro.claims().num_rows == 0
+        assert ro.claims().num_rows == 0 and ro.fragments("claims") == 0
         led = ro.ledger()
         assert (led.consumed, led.complete) == (2, 4) and led.balanced, led
+    assert not (run_dir / "pool" / "claims.lance").exists(), "reading an old pool changed it"
     with LancePool(run_dir / "pool") as rw:  # the learner of a resumed run
         b = rw.claim(step=1, learner_version=1, num_groups=2, max_staleness=BIG)
         assert [g.group_id for g in b.groups] == ["o2", "o3"]
@@ -140,3 +141,11 @@ def test_a_pool_from_before_claims_reads_and_claims(run_dir: Path) -> None:
         assert rw.consumed_steps() == {0: ["o0", "o1"], 1: ["o2", "o3"], 2: ["o4", "o5"]}
         led = rw.ledger()
         assert led.consumed == 6 and led.balanced, led
+
+
+def test_a_claim_on_a_pool_from_before_claims_opened_read_only(run_dir: Path) -> None:
+    _old_pool(run_dir / "pool")
+    with open_pool(str(run_dir)) as pool:  # create=False, as tools and test children open pools
+        b = pool.claim(step=1, learner_version=1, num_groups=4, max_staleness=BIG)
+        assert [g.group_id for g in b.groups] == ["o2", "o3", "o4", "o5"]
+        assert pool.ledger().consumed == 6 and pool.ledger().balanced
