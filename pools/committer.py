@@ -135,7 +135,7 @@ class Committer:
         self.commits += 1
 
     def _flush(self, batch: list[Item]) -> None:
-        admissions = [it.table for it in batch if it.kind == "admit"]
+        admissions = [it.table for it in batch if it.kind == "admit" and it.table.num_rows]
         if admissions:  # before the rows: a crash in between leaves groups in flight, never unadmitted
             self._insert("admissions", pa.concat_tables(admissions))
         writes = _last_write_wins([it for it in batch if it.kind != "admit"])

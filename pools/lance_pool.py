@@ -334,8 +334,11 @@ class LancePool:
         for name in self._uris:
             if self._open(name).count_rows() == 0:
                 continue
+            # Binary copy moves the encoded pages as they are (3-4x less CPU than decoding and
+            # encoding them again here), so a compaction takes less from the claims beside it.
             retry_conflicts(lambda: self._open(name).optimize.compact_files(  # noqa: B023 - called at once
-                target_rows_per_fragment=COMPACT_TARGET_ROWS, materialize_deletions_threshold=0.1))
+                target_rows_per_fragment=COMPACT_TARGET_ROWS, materialize_deletions_threshold=0.1,
+                compaction_mode="try_binary_copy"))
             have = {f for idx in self._open(name).describe_indices() for f in idx.field_names}
             for col, kind in indexed[name].items():
                 if col not in have:

@@ -119,7 +119,8 @@ def batches(ds: Any, claims: Callable[[], pa.Table], columns: list[str] | None, 
     cols = list(columns or POOL_SCHEMA.names)
     named = columns_in(where, POOL_SCHEMA.names)
     if not (set(cols) | named) & _CLAIMED:
-        return ds.scanner(columns=cols, filter=where, batch_size=batch_rows).to_reader()
+        return ds.scanner(columns=cols, filter=where, batch_size=batch_rows,
+                          strict_batch_size=True).to_reader()
     c = claims()
     stored = _stored(cols, True)
     schema = POOL_SCHEMA.empty_table().select(cols).schema
@@ -130,8 +131,8 @@ def batches(ds: Any, claims: Callable[[], pa.Table], columns: list[str] | None, 
             parts: Iterator[pa.Table] = (ds.take(pos[i:i + batch_rows], columns=stored)
                                          for i in range(0, len(pos), batch_rows))
         else:
-            parts = (pa.Table.from_batches([b]) for b in
-                     ds.scanner(columns=stored, filter=where, batch_size=batch_rows).to_batches())
+            scanner = ds.scanner(columns=stored, filter=where, batch_size=batch_rows, strict_batch_size=True)
+            parts = (pa.Table.from_batches([b]) for b in scanner.to_batches())
         for part in parts:
             yield from _effective(part, c, cols).to_batches()
 

@@ -55,9 +55,12 @@ def test_filters_on_what_claims_decide(pool: LancePool) -> None:
     got = pool.scan(["uid", "response_tokens"], where=where)
     assert sorted(got["uid"].to_pylist()) == ["f2/0", "f2/1", "f3/0", "f3/1", "f4/0", "f4/1"]
     assert pool.count(where) == 6 and pool.count("status = 'dropped' AND drop_reason = 'stale'") == 4
-    streamed = pa.Table.from_batches(list(pool.reader(["uid", "consumed_step"], where="consumed_step = 1",
-                                                      batch_rows=1)))
+    batches = list(pool.reader(["uid", "consumed_step"], where="consumed_step = 1", batch_rows=1))
+    streamed = pa.Table.from_batches(batches)
     assert streamed.num_rows == 2 and streamed["consumed_step"].to_pylist() == [1, 1]
+    assert max(b.num_rows for b in batches) == 1  # streamed, never the whole selection at once
+    batches = list(pool.reader(["uid", "response_tokens"], where="min_version >= 2", batch_rows=3))
+    assert sum(b.num_rows for b in batches) == 6 and max(b.num_rows for b in batches) <= 3
     assert pool.consumed_steps() == {0: ["f2", "f3"], 1: ["f4"]}
     with pytest.raises(ValueError, match="bad filter"):
         pool.scan(["uid"], where="status = = 'consumed'")
