@@ -66,8 +66,12 @@ class LancePool:
         commit_max_rows: int = 8192,
         commit_linger_ms: float = 2.0,
         compact_every: int = 64,
+        storage_options: dict[str, str] | None = None,
     ) -> None:
+        """`storage_options`: object-store settings (credentials, endpoint) for a URI such as
+        s3://bucket/run/pool, passed to LanceDB and to every pylance dataset."""
         self.uri = str(uri)
+        self._storage_options = dict(storage_options or {})
         self.run_id = run_id
         self.compact_every = compact_every
         self._compacting: threading.Thread | None = None
@@ -77,7 +81,7 @@ class LancePool:
         self._tables: dict[str, Any] = {}
         try:
             self._db = lancedb.connect(self.uri, read_consistency_interval=timedelta(0),
-                                       storage_options=NEW_TABLE_OPTIONS)
+                                       storage_options={**self._storage_options, **NEW_TABLE_OPTIONS})
             for name, schema in SCHEMAS.items():
                 if create:
                     self._tables[name] = self._create(name, schema)
@@ -109,7 +113,7 @@ class LancePool:
         if name not in self._uris:  # a pool from before claims, opened read-only, claimed from
             self._tables[name] = self._create(name, SCHEMAS[name])
             self._uris[name] = self._tables[name].to_lance().uri
-        return lance.dataset(self._uris[name], session=self._session)
+        return lance.dataset(self._uris[name], session=self._session, storage_options=self._storage_options or None)
 
     def _check_files(self) -> None:
         """Every data file the manifests name is there with its recorded size (local pools), so

@@ -152,3 +152,20 @@ def test_a_claim_on_a_pool_from_before_claims_opened_read_only(run_dir: Path) ->
         b = pool.claim(step=1, learner_version=1, num_groups=4, max_staleness=BIG)
         assert [g.group_id for g in b.groups] == ["o2", "o3", "o4", "o5"]
         assert pool.ledger().consumed == 6 and pool.ledger().balanced
+
+
+def test_a_pool_at_a_uri_rather_than_a_path(tmp_path: Path) -> None:
+    """Everything goes through Lance's object store: a file:// URI stands in for s3:// here."""
+    uri = f"file://{tmp_path}/somewhere/pool"
+    with LancePool(uri, compact_every=2) as pool:
+        append_each(pool, [make_group(f"u{i}") for i in range(6)])
+        assert [g.group_id for g in pool.claim(step=0, learner_version=0, num_groups=2, max_staleness=BIG).groups] == [
+            "u0", "u1"]
+        pool.compact()
+        b = pool.claim(step=1, learner_version=0, num_groups=4, max_staleness=BIG)
+        assert [g.group_id for g in b.groups] == ["u2", "u3", "u4", "u5"]
+        assert pool.claim_stats()["rows_read"] == 6 * 4
+    with open_pool(uri) as pool:
+        led = pool.ledger()
+        assert led.consumed == 6 and led.balanced, led
+        assert pool.consumed_steps() == {0: ["u0", "u1"], 1: ["u2", "u3", "u4", "u5"]}
