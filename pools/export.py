@@ -13,7 +13,9 @@ Kinds of rows (`kind`):
 Formats: `parquet` (one file), `jsonl` (one object per line) or `hf` (a directory in the
 Hugging Face Hub layout: data/train-*.parquet shards and a README.md dataset card, loadable with
 `datasets.load_dataset(DIR)` and uploadable as is). Rows stream from the pool in batches, so
-memory stays bounded whatever the pool's size; a group is never split between batches.
+memory stays bounded whatever the pool's size. `best` and `dpo` read in two passes over one
+snapshot: the small columns pick each group's samples (a few numbers per group kept), then only
+the picked rows are read, by row id; a group's rows need not be next to each other.
 """
 
 from __future__ import annotations
@@ -21,17 +23,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from streamrl.pools.lance_pool import LancePool
+from streamrl.pools.reads import ROW_ID, Snapshot
 from streamrl.pools.schema import POOL_SCHEMA, SPAN_TYPE
 
 KINDS = ("samples", "best", "dpo", "raw")
@@ -43,7 +45,7 @@ _GROUP = ["group_id", "prompt_id", "producer_id", "status", "min_version", "max_
 _SAMPLE = ["sample_index", "reward", "rewards_json", "finish_reason", "failed", "response_tokens", "loss_mask",
            "rollout_logprobs", "version_spans", "num_tokens"]
 _NEEDS = {"samples": _GROUP + ["prompt_tokens", *_SAMPLE], "best": _GROUP + ["prompt_tokens", *_SAMPLE],
-          "dpo": _GROUP + ["prompt_tokens", "sample_index", "reward", "failed", "response_tokens"],
+          "dpo": _GROUP + ["prompt_tokens", "sample_index", "reward", "response_tokens"],
           "raw": POOL_SCHEMA.names}
 
 
@@ -82,25 +84,6 @@ def output_schema(kind: str, text: bool) -> pa.Schema:
 # ---------------------------------------------------------------- shaping rows
 
 
-def _runs(reader: pa.RecordBatchReader) -> Iterator[pa.Table]:
-    """Tables of whole groups: a batch's last group is held back until the next batch shows it ended."""
-    carry: pa.Table | None = None
-    for batch in reader:
-        t = pa.Table.from_batches([batch])
-        if carry is not None:
-            t = pa.concat_tables([carry, t])
-        if t.num_rows == 0:
-            continue
-        gids = t["group_id"].combine_chunks()
-        other = np.flatnonzero(~pc.equal(gids, gids[-1]).to_numpy(zero_copy_only=False))
-        start = int(other[-1]) + 1 if len(other) else 0  # where the last group's rows begin
-        if start:
-            yield t.slice(0, start)
-        carry = t.slice(start)
-    if carry is not None and carry.num_rows:
-        yield carry
-
-
 def _texts(tok: Any, col: pa.ChunkedArray | pa.Array) -> pa.Array:
     lists = col.to_pylist()
     return pa.array(tok.decode_batch(lists, skip_special_tokens=False) if lists else [], pa.string())
@@ -117,52 +100,70 @@ def _samples(t: pa.Table, tok: Any) -> pa.Table:
     return pa.table(cols)
 
 
-def _scored(t: pa.Table) -> list[tuple[str, list[int]]]:
-    """(group id, row positions of its scored samples, by sample index) for each group of `t`."""
-    ok = pc.and_(pc.is_valid(t["reward"]), pc.invert(pc.fill_null(t["failed"], False))).to_pylist()
-    out: dict[str, list[int]] = {}
-    for i, (gid, good) in enumerate(zip(t["group_id"].to_pylist(), ok)):
-        rows = out.setdefault(gid, [])
-        if good:
-            rows.append(i)
-    idx = t["sample_index"].to_pylist()
-    return [(g, sorted(r, key=lambda i: idx[i])) for g, r in out.items()]
+@dataclass
+class _Group:
+    """What pass 1 keeps per group: its scored samples' count and sum, best and worst (reward,
+    sample index, row id); equal rewards go to the lower sample index."""
+
+    n: int = 0
+    total: float = 0.0
+    best: tuple[float, int, int] | None = None
+    worst: tuple[float, int, int] | None = None
 
 
-def _best(t: pa.Table, tok: Any) -> pa.Table:
-    reward = t["reward"].to_pylist()
-    picks, sizes, means = [], [], []
-    for _, rows in _scored(t):
-        if rows:
-            picks.append(max(rows, key=lambda i: reward[i]))  # the first of equal rewards, by sample index
-            sizes.append(len(rows))
-            means.append(float(np.mean([reward[i] for i in rows])))
-    s = _samples(t.take(pa.array(picks, pa.int64())), tok)
-    return s.append_column("group_size", pa.array(sizes, pa.int32())).append_column(
-        "group_reward_mean", pa.array(means, pa.float32()))
+def _pick(batches: pa.RecordBatchReader, bar: Any) -> dict[str, _Group]:
+    """Pass 1 over the narrow columns: per group, its best and worst scored (not failed) sample."""
+    groups: dict[str, _Group] = {}
+    for b in batches:
+        cols = [b.column(c).to_pylist() for c in ("group_id", "sample_index", "reward", "failed", ROW_ID)]
+        for gid, idx, reward, failed, rid in zip(*cols):
+            g = groups.setdefault(gid, _Group())
+            if reward is None or failed:
+                continue
+            g.n, g.total = g.n + 1, g.total + reward
+            if g.best is None or (-reward, idx) < (-g.best[0], g.best[1]):
+                g.best = (reward, idx, rid)
+            if g.worst is None or (reward, idx) < (g.worst[0], g.worst[1]):
+                g.worst = (reward, idx, rid)
+        bar.update(b.num_rows)
+    return groups
 
 
-def _dpo(t: pa.Table, tok: Any) -> pa.Table:
-    reward = t["reward"].to_pylist()
-    chosen, rejected, sizes = [], [], []
-    for _, rows in _scored(t):
-        if len(rows) < 2:
-            continue
-        hi, lo = max(rows, key=lambda i: reward[i]), min(rows, key=lambda i: reward[i])
-        if reward[hi] > reward[lo]:
-            chosen.append(hi)
-            rejected.append(lo)
-            sizes.append(len(rows))
-    c, r = t.take(pa.array(chosen, pa.int64())), t.take(pa.array(rejected, pa.int64()))
+def _best(rows: pa.Table, picked: list[_Group], tok: Any) -> pa.Table:
+    return _samples(rows, tok).append_column("group_size", pa.array([g.n for g in picked], pa.int32())).append_column(
+        "group_reward_mean", pa.array([g.total / g.n for g in picked], pa.float32()))
+
+
+def _dpo(c: pa.Table, r: pa.Table, picked: list[_Group], tok: Any) -> pa.Table:
     cols: dict[str, Any] = {k: c[k] for k in _GROUP}
     if tok is not None:
         cols.update(prompt=_texts(tok, c["prompt_tokens"]), chosen=_texts(tok, c["response_tokens"]),
                     rejected=_texts(tok, r["response_tokens"]))
     cols.update(chosen_reward=c["reward"], rejected_reward=r["reward"], chosen_index=c["sample_index"],
-                rejected_index=r["sample_index"], group_size=pa.array(sizes, pa.int32()),
+                rejected_index=r["sample_index"], group_size=pa.array([g.n for g in picked], pa.int32()),
                 prompt_tokens=c["prompt_tokens"], chosen_tokens=c["response_tokens"],
                 rejected_tokens=r["response_tokens"])
     return pa.table(cols)
+
+
+def _pairs(snap: Snapshot, groups: dict[str, _Group], kind: str, tok: Any,
+           chunk: int = 1024) -> Iterator[pa.Table]:
+    """Pass 2: the picked rows, read by row id a chunk of groups at a time, shaped."""
+    if kind == "best":
+        picked = [g for g in groups.values() if g.best is not None]
+    else:
+        picked = [g for g in groups.values() if g.n >= 2 and g.best[0] > g.worst[0]]  # type: ignore[index]
+    for i in range(0, len(picked), chunk):
+        part = picked[i:i + chunk]
+        ids = [g.best[2] for g in part] + ([g.worst[2] for g in part] if kind == "dpo" else [])  # type: ignore[index]
+        rows = snap.rows(ids, [*_NEEDS[kind], ROW_ID])
+        at = {rid: k for k, rid in enumerate(rows[ROW_ID].to_pylist())}
+        take = [at[g.best[2]] for g in part]  # type: ignore[index]
+        if kind == "best":
+            yield _best(rows.take(pa.array(take, pa.int64())), part, tok)
+        else:
+            worst = [at[g.worst[2]] for g in part]  # type: ignore[index]
+            yield _dpo(rows.take(pa.array(take, pa.int64())), rows.take(pa.array(worst, pa.int64())), part, tok)
 
 
 # ---------------------------------------------------------------- writers
@@ -278,22 +279,26 @@ def export(pool: LancePool, out: str, *, where: str | None = None, kind: str = "
         raise ExportError(f"--tokenizer {tokenizer}: no tokenizer.json there")
     schema = output_schema(kind, tok is not None)
     t0 = time.perf_counter()
-    total = pool.count(where)
-    reader = pool.reader(_NEEDS[kind], where=where, batch_rows=batch_rows)
-    writer = _Writer(out, fmt, schema)
-    shape = {"samples": _samples, "best": _best, "dpo": _dpo}.get(kind)
-    rows = read = 0
-    with tqdm(total=total, unit="rows", desc=f"export {kind}", disable=not progress) as bar:
-        parts = (pa.Table.from_batches([b]) for b in reader) if kind in ("raw", "samples") else _runs(reader)
-        for part in parts:
-            shaped = shape(part, tok) if shape else part
-            writer.write(shaped)
-            rows += shaped.num_rows
-            read += part.num_rows
-            bar.update(part.num_rows)
+    snap = pool.snapshot()  # both passes of `best`/`dpo` read the same rows
+    writer, rows = _Writer(out, fmt, schema), 0
+    with pool.reading(where):
+        total = snap.count(where)
+        with tqdm(total=total, unit="rows", desc=f"export {kind}", disable=not progress) as bar:
+            if kind in ("samples", "raw"):
+                parts: Iterator[pa.Table] = (pa.Table.from_batches([b]) for b in
+                                             snap.batches(_NEEDS[kind], where, batch_rows))
+            else:
+                narrow = snap.batches(["group_id", "sample_index", "reward", "failed", ROW_ID], where, batch_rows)
+                parts = _pairs(snap, _pick(narrow, bar), kind, tok)
+            for part in parts:
+                shaped = _samples(part, tok) if kind == "samples" else part
+                writer.write(shaped)
+                rows += shaped.num_rows
+                if kind in ("samples", "raw"):
+                    bar.update(part.num_rows)
     files = writer.close()
     info = {"pool": pool.uri, "out": out, "kind": kind, "format": fmt, "where": where, "rows": rows,
-            "samples_read": read, "files": files, "tokenizer": tok_path if tok is not None else None,
+            "samples_read": total, "files": files, "tokenizer": tok_path if tok is not None else None,
             "seconds": round(time.perf_counter() - t0, 2)}
     if fmt == "hf":
         with writer.fs.open_output_stream(f"{writer.path}/README.md") as f:

@@ -207,39 +207,42 @@ class LancePool:
 
     # ------------------------------------------------------------ reads
 
+    def snapshot(self) -> reads.Snapshot:
+        """The pool table at its latest version, with the claims read just before: reads through
+        one snapshot agree with each other (`scan`, `reader` and `count` each take a new one)."""
+        claims = self._claims.get()  # before the rows: see pools/reads.py
+        return reads.Snapshot(self._open(POOL_TABLE), claims)
+
     def scan(self, columns: list[str] | None = None, where: str | None = None, table: str = POOL_TABLE,
              *, effective: bool = True) -> pa.Table:
         """Rows of `table` (pool, admissions or claims). Pool rows read with the claims applied
         (`status` is `consumed` once a step trained on the group); `effective=False` reads them as stored."""
-        with self._reading(where):
+        with self.reading(where):
             if table != POOL_TABLE:
                 if table not in self._uris:
                     return SCHEMAS[table].empty_table().select(columns or SCHEMAS[table].names)
                 return self._open(table).to_table(columns=columns, filter=where)
             if not effective:
                 return reads.filtered(self._open(POOL_TABLE), list(columns or POOL_SCHEMA.names), where)
-            claims = self._claims.get()  # before the rows: see pools/reads.py
-            return reads.scan(self._open(POOL_TABLE), lambda: claims, columns, where)
+            return self.snapshot().scan(columns, where)
 
     def reader(self, columns: list[str] | None = None, where: str | None = None,
                batch_rows: int = 1024) -> pa.RecordBatchReader:
         """Stream pool rows (one Lance version, claims applied) without loading them all."""
-        with self._reading(where):
-            claims = self._claims.get()
-            return reads.batches(self._open(POOL_TABLE), lambda: claims, columns, where, batch_rows)
+        with self.reading(where):
+            return self.snapshot().batches(columns, where, batch_rows)
 
     def count(self, where: str | None = None) -> int:
         """Rows `where` selects (claims applied)."""
-        with self._reading(where):
-            claims = self._claims.get()
-            return reads.count(self._open(POOL_TABLE), lambda: claims, where)
+        with self.reading(where):
+            return self.snapshot().count(where)
 
     def claims(self) -> pa.Table:
         """The claims table (one row per group the learner decided about)."""
         return self._claims.get()
 
     @contextlib.contextmanager
-    def _reading(self, where: str | None) -> Iterator[None]:
+    def reading(self, where: str | None) -> Iterator[None]:
         """Lance read errors become a ValueError naming the filter (the caller's mistake) or a
         PoolError (damaged files), never a raw traceback."""
         try:

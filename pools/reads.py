@@ -61,12 +61,11 @@ class ClaimsCache:
             return table
 
 
-def _stored(columns: list[str], claims_needed: bool) -> list[str]:
-    return columns if not claims_needed or "group_id" in columns else [*columns, "group_id"]
+ROW_ID = "_rowid"  # Lance's stable row id: may be asked for as a column; stays valid across compactions
 
 
-def _effective(rows: pa.Table, claims: pa.Table, columns: list[str]) -> pa.Table:
-    return apply_claims(rows, claims).select(columns)
+def _schema(columns: list[str]) -> pa.Schema:
+    return pa.schema([pa.field(ROW_ID, pa.uint64()) if c == ROW_ID else POOL_SCHEMA.field(c) for c in columns])
 
 
 def matching_positions(ds: Any, claims: pa.Table, where: str) -> np.ndarray:
@@ -92,56 +91,70 @@ def filtered(ds: Any, columns: list[str], where: str | None) -> pa.Table:
     reads them by row id: Lance's scalar-index path reads whole rows ~5x slower here."""
     if not where or not _WIDE.intersection(columns):
         return ds.to_table(columns=columns, filter=where)
-    ids = ds.to_table(columns=["group_id"], filter=where, with_row_id=True)["_rowid"].to_pylist()
+    ids = ds.to_table(columns=["group_id"], filter=where, with_row_id=True)[ROW_ID].to_pylist()
     if len(ids) > TAKE_MAX_ROWS:
         return ds.to_table(columns=columns, filter=where)
-    parts = [ds.to_table(columns=columns, filter=f"_rowid IN ({', '.join(map(str, ids[i:i + TAKE_CHUNK]))})")
-             for i in range(0, len(ids), TAKE_CHUNK)]
-    return pa.concat_tables(parts) if parts else POOL_SCHEMA.empty_table().select(columns)
+    return by_row_id(ds, columns, ids)
 
 
-def scan(ds: Any, claims: Callable[[], pa.Table], columns: list[str] | None, where: str | None) -> pa.Table:
-    cols = list(columns or POOL_SCHEMA.names)
-    if not (set(cols) | columns_in(where, POOL_SCHEMA.names)) & _CLAIMED:
-        return filtered(ds, cols, where)
-    c = claims()
-    stored = _stored(cols, True)
-    if columns_in(where, POOL_SCHEMA.names) & _CLAIMED:
-        rows = ds.take(matching_positions(ds, c, where), columns=stored)
-    else:
-        rows = filtered(ds, stored, where)
-    return _effective(rows, c, cols)
+def by_row_id(ds: Any, columns: list[str], row_ids: list[int]) -> pa.Table:
+    """The rows with these row ids, in the dataset's order (a take, in chunks)."""
+    parts = [ds.to_table(columns=columns, filter=f"{ROW_ID} IN ({', '.join(map(str, row_ids[i:i + TAKE_CHUNK]))})")
+             for i in range(0, len(row_ids), TAKE_CHUNK)]
+    return pa.concat_tables(parts) if parts else _schema(columns).empty_table()
 
 
-def batches(ds: Any, claims: Callable[[], pa.Table], columns: list[str] | None, where: str | None,
-            batch_rows: int = 1024) -> pa.RecordBatchReader:
-    """Stream the selected rows, `batch_rows` at a time: memory stays bounded whatever the pool's size."""
-    cols = list(columns or POOL_SCHEMA.names)
-    named = columns_in(where, POOL_SCHEMA.names)
-    if not (set(cols) | named) & _CLAIMED:
-        return ds.scanner(columns=cols, filter=where, batch_size=batch_rows,
-                          strict_batch_size=True).to_reader()
-    c = claims()
-    stored = _stored(cols, True)
-    schema = POOL_SCHEMA.empty_table().select(cols).schema
+class Snapshot:
+    """One version of the pool table with the claims read just before it: every read through one
+    snapshot sees the same rows (an export's two passes, for instance)."""
 
-    def gen() -> Iterator[pa.RecordBatch]:
-        if named & _CLAIMED:
-            pos = matching_positions(ds, c, where)  # type: ignore[arg-type]
-            parts: Iterator[pa.Table] = (ds.take(pos[i:i + batch_rows], columns=stored)
-                                         for i in range(0, len(pos), batch_rows))
+    def __init__(self, ds: Any, claims: pa.Table) -> None:
+        self.ds, self.claims = ds, claims
+
+    def _plan(self, columns: list[str] | None, where: str | None) -> tuple[list[str], list[str], bool, bool]:
+        """(output columns, stored columns to read, claims needed, filter needs claims)."""
+        cols = list(columns or POOL_SCHEMA.names)
+        on_claims = bool(columns_in(where, POOL_SCHEMA.names) & _CLAIMED)
+        needed = on_claims or bool(set(cols) & _CLAIMED)
+        return cols, (cols if not needed or "group_id" in cols else [*cols, "group_id"]), needed, on_claims
+
+    def scan(self, columns: list[str] | None = None, where: str | None = None) -> pa.Table:
+        cols, stored, needed, on_claims = self._plan(columns, where)
+        if on_claims:
+            rows = self.ds.take(matching_positions(self.ds, self.claims, where), columns=stored)  # type: ignore[arg-type]
         else:
-            scanner = ds.scanner(columns=stored, filter=where, batch_size=batch_rows, strict_batch_size=True)
-            parts = (pa.Table.from_batches([b]) for b in scanner.to_batches())
-        for part in parts:
-            yield from _effective(part, c, cols).to_batches()
+            rows = filtered(self.ds, stored, where)
+        return apply_claims(rows, self.claims).select(cols) if needed else rows
 
-    return pa.RecordBatchReader.from_batches(schema, gen())
+    def batches(self, columns: list[str] | None = None, where: str | None = None,
+                batch_rows: int = 1024) -> pa.RecordBatchReader:
+        """Stream the selected rows, `batch_rows` at a time: memory stays bounded whatever the pool's size."""
+        cols, stored, needed, on_claims = self._plan(columns, where)
+        if not needed:
+            return self.ds.scanner(columns=cols, filter=where, batch_size=batch_rows, strict_batch_size=True).to_reader()
 
+        def gen() -> Iterator[pa.RecordBatch]:
+            if on_claims:
+                pos = matching_positions(self.ds, self.claims, where)  # type: ignore[arg-type]
+                parts: Iterator[pa.Table] = (self.ds.take(pos[i:i + batch_rows], columns=stored)
+                                             for i in range(0, len(pos), batch_rows))
+            else:
+                scanner = self.ds.scanner(columns=stored, filter=where, batch_size=batch_rows, strict_batch_size=True)
+                parts = (pa.Table.from_batches([b]) for b in scanner.to_batches())
+            for part in parts:
+                yield from apply_claims(part, self.claims).select(cols).to_batches()
 
-def count(ds: Any, claims: Callable[[], pa.Table], where: str | None) -> int:
-    if not where:
-        return ds.count_rows()
-    if columns_in(where, POOL_SCHEMA.names) & _CLAIMED:
-        return len(matching_positions(ds, claims(), where))
-    return ds.count_rows(filter=where)
+        return pa.RecordBatchReader.from_batches(_schema(cols), gen())
+
+    def rows(self, row_ids: list[int], columns: list[str]) -> pa.Table:
+        """Rows by row id (from a `_rowid` column this snapshot returned), claims applied."""
+        cols, stored, needed, _ = self._plan(columns, None)
+        rows = by_row_id(self.ds, stored, row_ids)
+        return apply_claims(rows, self.claims).select(cols) if needed else rows
+
+    def count(self, where: str | None = None) -> int:
+        if not where:
+            return self.ds.count_rows()
+        if columns_in(where, POOL_SCHEMA.names) & _CLAIMED:
+            return len(matching_positions(self.ds, self.claims, where))
+        return self.ds.count_rows(filter=where)

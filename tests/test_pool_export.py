@@ -137,3 +137,28 @@ def test_cli_export_prints_what_it_wrote(run: Path, tmp_path: Path, capsys: pyte
     assert main(["pool", "export", str(run), str(out), "--kind", "dpo", "--quiet"]) == 0
     assert capsys.readouterr().out.strip().startswith(f"wrote 3 dpo rows (hf, from 20 samples) to {out}")
     assert (out / "data" / "train-00000-of-00001.parquet").is_file()
+
+
+def test_groups_whose_rows_are_not_next_to_each_other(tmp_path: Path) -> None:
+    """Lance's merge_insert may write a commit's rows in any order: best and dpo do not rely on
+    a group's rows being adjacent."""
+    import pyarrow as pa
+
+    from streamrl.pools.schema import admissions_to_table, groups_to_table
+
+    tok = build_char_tokenizer(tmp_path / "tokenizer.json")
+    groups = [_group("g1", tok, [0.0, 1.0, 0.5], [], 0), _group("g2", tok, [0.75, 0.25, 0.5], [], 0)]
+    t = groups_to_table(groups)
+    shuffled = t.take(pa.array([0, 3, 1, 4, 2, 5]))  # g1, g2, g1, g2, g1, g2
+    with LancePool(tmp_path / "pool") as pool:
+        pool.set_tokenizer(str(tmp_path / "tokenizer.json"))
+        pool._open("pool").insert(shuffled)  # noqa: SLF001 - rows as no append would order them
+        pool._open("admissions").insert(admissions_to_table(  # noqa: SLF001
+            [Admission(group_id=g.group_id, prompt_id=g.prompt_id, n=3) for g in groups]))
+        assert pool.ledger().balanced
+        export(pool, str(tmp_path / "pairs.parquet"), kind="dpo", progress=False, batch_rows=1)
+        export(pool, str(tmp_path / "best.parquet"), kind="best", progress=False, batch_rows=2)
+    pairs = {r["group_id"]: (r["chosen_index"], r["rejected_index"]) for r in pq.read_table(tmp_path / "pairs.parquet").to_pylist()}
+    assert pairs == {"g1": (1, 0), "g2": (0, 1)}
+    best = {r["group_id"]: (r["sample_index"], r["group_size"]) for r in pq.read_table(tmp_path / "best.parquet").to_pylist()}
+    assert best == {"g1": (1, 3), "g2": (0, 3)}
