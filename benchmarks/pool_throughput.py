@@ -68,7 +68,7 @@ figures (all rates are wall-clock, data generation excluded):
   data               pool_mb / ipc_mb: bytes on disk; arrow_mb: in-memory Arrow size of the rows;
                      pool_mb_at_end includes versions compact() keeps for 10 minutes
   machine            loadavg_1m_at_start: other jobs running on the box make every figure noisy
-  targets            the issue's goals: pool >= 50% of IPC rows/s, 256-sample claim < 50 ms
+  targets            the issue's goals: pool >= 50% of IPC rows/s, 256-sample claim p50 < 50 ms, p99 < 100 ms
 """
 
 
@@ -76,30 +76,33 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_groups(n: int, rng: np.random.Generator, tag: str, consumed: int) -> list[SampleGroup]:
-    """n groups of GROUP samples; the first `consumed` of them already consumed by a learner step.
+def make_groups(n: int, rng: np.random.Generator, tag: str, consumed: int, resp: tuple[int, int] = (200, 2000),
+                first: int = 0) -> list[SampleGroup]:
+    """n groups of GROUP samples with `resp` response tokens each, ids `tag:first..`; the first
+    `consumed` of them stored as consumed by a learner step (as pools before claims did).
 
     All arrays are views into three big buffers, so generating 100k rows takes about a second."""
-    resp_len = rng.integers(200, 2001, size=(n, GROUP))
+    resp_len = rng.integers(resp[0], resp[1] + 1, size=(n, GROUP))
     prompt_len = rng.integers(50, 201, size=n)
     tokens = rng.integers(0, VOCAB, size=int(resp_len.sum()), dtype=np.int32)
     logprobs = -rng.standard_exponential(size=tokens.size, dtype=np.float32)
     prompts = rng.integers(0, VOCAB, size=int(prompt_len.sum()), dtype=np.int32)
     groups: list[SampleGroup] = []
     t = p = 0
-    for i in range(n):
+    for i in range(first, first + n):
         version = i // 16  # a new policy version every 4 steps of 4 groups
         samples: list[Sample] = []
-        for j, k in enumerate(resp_len[i].tolist()):
+        for j, k in enumerate(resp_len[i - first].tolist()):
             samples.append(Sample(index=j, response_tokens=tokens[t : t + k], rollout_logprobs=logprobs[t : t + k],
                                   spans=[VersionSpan(version, 0, k)], reward=float(j % 2), finish_reason="stop"))
             t += k
-        done = i < consumed
-        groups.append(SampleGroup(group_id=f"{tag}:{i}", prompt_id=f"p{i}", prompt_tokens=prompts[p : p + prompt_len[i]],
+        done = i - first < consumed
+        groups.append(SampleGroup(group_id=f"{tag}:{i}", prompt_id=f"p{i}",
+                                  prompt_tokens=prompts[p : p + prompt_len[i - first]],
                                   samples=samples, producer_id=tag, status="consumed" if done else "complete",
                                   consumed_step=i // BATCH_GROUPS if done else None,
                                   consumed_version=version if done else None))
-        p += int(prompt_len[i])
+        p += int(prompt_len[i - first])
     return groups
 
 
@@ -204,8 +207,8 @@ def claim_phase(pool: LancePool, feed: list[SampleGroup], claims: int, top_versi
     lat: list[float] = []
     frags: list[int] = []
     compact_s: list[float] = []
-    rows0 = pool.count_rows()
-    backlog0 = pool.scan(["sample_index"], where="status = 'complete'").num_rows
+    rows0, read = pool.count_rows(), []
+    backlog0 = pool.count("status = 'complete'")
     for step in range(claims):
         if compact_at and pool.fragments() >= compact_at:
             # What LancePool(compact_every=64) would start in the background; here synchronous and
@@ -215,22 +218,28 @@ def claim_phase(pool: LancePool, feed: list[SampleGroup], claims: int, top_versi
             compact_s.append(time.perf_counter() - t0)
         pool.append(feed[step * BATCH_GROUPS : (step + 1) * BATCH_GROUPS], admit=True)  # producers keep going
         frags.append(pool.fragments())
+        read0 = pool.claim_stats()["rows_read"]
         t0 = time.perf_counter()
         # A bound wider than any version spread: the measured path is take, not drop.
         batch = pool.claim(step, top_version, BATCH_GROUPS, max_staleness=10**6, policy="drop")
         lat.append(time.perf_counter() - t0)
+        read.append(pool.claim_stats()["rows_read"] - read0)
         if batch is None or batch.num_samples != BATCH_GROUPS * GROUP:
             raise RuntimeError(f"claim {step} returned {batch and batch.num_samples} samples, expected 256")
     return {"pool_rows_at_start": rows0, "pool_rows_at_end": pool.count_rows(), "complete_rows_at_start": backlog0,
             "fragments_min": min(frags), "fragments_max": max(frags), "claims": claims,
             "samples_per_claim": BATCH_GROUPS * GROUP, **pct(lat),
             "first_10_p50_ms": pct(lat[:10])["p50_ms"], "rows_per_s": round(claims * BATCH_GROUPS * GROUP / sum(lat), 1),
+            "rows_read_per_claim_max": max(read[1:], default=None), "rows_read_first_claim": read[0],
             "compact_at_fragments": compact_at, "compactions": len(compact_s),
             "compact_s_mean": round(float(np.mean(compact_s)), 2) if compact_s else None}
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, epilog=FIGURES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from benchmarks import pool_scale
+
+    ap = argparse.ArgumentParser(description=__doc__, epilog=FIGURES + "\n" + (pool_scale.__doc__ or ""),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="20k rows and fewer claims (under 2 minutes on 2 cores)")
     ap.add_argument("--rows", type=int, help="rows in the pool when claims are measured (default 100000, quick 20000)")
     ap.add_argument("--producers", type=int, default=8, help="concurrent producer threads (default 8)")
@@ -248,6 +257,7 @@ def parse_args() -> argparse.Namespace:
                     help="parent of the temporary data directory; the disk under test (default runs/bench)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
+    pool_scale.add_args(ap)
     args = ap.parse_args()
     args.rows = args.rows or (20_000 if args.quick else 100_000)
     args.single_groups = args.single_groups if args.single_groups is not None else (40 if args.quick else 150)
@@ -319,6 +329,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     wall0, load0 = time.perf_counter(), os.getloadavg()[0]  # other jobs on the box skew every figure
+    if args.scale:
+        from benchmarks.pool_scale import run_scale
+
+        result = {"benchmark": "pool_throughput --scale", **run_scale(args),
+                  "config": {"sizes": args.sizes, "long_up_to": args.long_up_to, "short_tokens": args.short_tokens,
+                             "claims": args.claims, "rounds": args.rounds, "group_size": GROUP, "dir": str(args.dir)},
+                  "git": git_rev(), "machine": machine(load0, ("lancedb", "pylance", "pyarrow", "numpy")),
+                  "wall_s": round(time.perf_counter() - wall0, 1)}
+        emit(result, args.out)
+        return
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="pool_throughput-", dir=args.dir))
     try:
@@ -330,7 +350,7 @@ def main() -> None:
         "benchmark": "pool_throughput", "quick": args.quick,
         "targets": {"pool_at_least_half_of_ipc": r["pool_vs_arrow_ipc"] >= 0.5,
                     "claim_p50_under_50ms": r["claim"]["p50_ms"] < 50,
-                    "claim_p99_under_50ms": r["claim"]["p99_ms"] < 50},
+                    "claim_p99_under_100ms": r["claim"]["p99_ms"] < 100},
         **{k: r.pop(k) for k in ("pool_vs_arrow_ipc", "pool_vs_arrow_ipc_write_only", "pool_vs_arrow_ipc_by_round")},
         **r,
         "config": {"rows": args.rows, "group_size": GROUP, "response_tokens": [200, 2000], "prompt_tokens": [50, 200],

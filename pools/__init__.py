@@ -6,8 +6,11 @@ import os
 from pathlib import Path
 
 # Lance logs expected events (a new table, a compaction that lost a race and is retried) as WARN.
+# LanceDB 0.40 embeds an older Lance that warns, when it opens a table, about every scalar index
+# pylance 14 wrote (it cannot use them; all reads go through pylance, which does).
 os.environ.setdefault("RUST_LOG", "error")
 os.environ.setdefault("LANCE_LOG", "error")
+os.environ.setdefault("LANCEDB_LOG", "error")
 
 
 from typing import TYPE_CHECKING, Any

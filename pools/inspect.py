@@ -1,4 +1,4 @@
-"""Read-only views of a pool: stats, SQL (DuckDB), one group as text, Parquet export.
+"""Read-only views of a pool: stats, SQL (DuckDB), the tokenizer that decodes it (exports: pools/export.py).
 
 The pool is read at one Lance version per table, so all of this works while producers and
 the learner are still writing.
@@ -13,8 +13,8 @@ from typing import Any
 import duckdb
 import msgspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from streamrl.core.claims import apply_claims
 from streamrl.core.ledger import compute_ledger
 from streamrl.pools.lance_pool import ADMISSIONS_TABLE, LancePool
 from streamrl.pools.schema import ADMISSIONS_SCHEMA, META_COLUMNS, POOL_SCHEMA
@@ -25,9 +25,11 @@ STATS_VERSION = 1
 def pool_stats(pool: LancePool) -> dict[str, Any]:
     """Everything `streamrl pool stats --json` prints. Keys are stable; see README
     ("Inspecting a pool") for their meaning. New keys may be added, none renamed."""
-    meta = pool.scan(META_COLUMNS)
+    claims = pool.claims()  # claims, rows, admissions: the order LancePool.ledger reads them in
+    stored = pool.scan(META_COLUMNS, effective=False)
     adm = pool.scan(["group_id", "n"], table=ADMISSIONS_TABLE)
-    ledger = compute_ledger(adm, meta.select(["group_id", "sample_index", "status"]))
+    ledger = compute_ledger(adm, stored.select(["group_id", "sample_index", "status"]), claims)
+    meta = apply_claims(stored, claims)
     con = duckdb.connect()
     con.register("pool", meta)
 
@@ -74,11 +76,14 @@ def _mentioned(sql: str, schema: pa.Schema) -> list[str]:
 
 
 def pool_query(pool: LancePool, sql: str) -> pa.Table:
-    """Run DuckDB SQL over the pool (table `pool`) and the ledger's `admissions` table."""
+    """Run DuckDB SQL over the pool (table `pool`, claims applied), the ledger's `admissions` table
+    and the learner's `claims`."""
     con = duckdb.connect()
     con.register("pool", pool.scan(_mentioned(sql, POOL_SCHEMA)))
     if re.search(r"\badmissions\b", sql):
         con.register("admissions", pool.scan(_mentioned(sql, ADMISSIONS_SCHEMA), table=ADMISSIONS_TABLE))
+    if re.search(r"\bclaims\b", sql):
+        con.register("claims", pool.claims())
     return con.sql(sql).to_arrow_table()
 
 
@@ -94,13 +99,3 @@ def load_decoder(path: str | None) -> Any:
 
     return Tokenizer.from_file(str(p))
 
-
-def export_parquet(pool: LancePool, out: str, where: str | None = None) -> int:
-    """Stream the selected rows to a Parquet file; returns the row count."""
-    reader = pool.reader(where=where)
-    n = 0
-    with pq.ParquetWriter(out, reader.schema) as w:
-        for batch in reader:
-            w.write_batch(batch)
-            n += batch.num_rows
-    return n

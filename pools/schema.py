@@ -35,15 +35,32 @@ One row per sample; group columns are repeated on each row of the group.
 
 The `admissions` table (one row per admitted prompt instance) feeds the ledger:
 group_id, prompt_id, n (int32), producer_id, version (int32), admitted_ns (int64).
+
+The `claims` table holds what the learner decided about stored groups, one row per group and
+decision; sample rows are never rewritten for it (streamrl.core.claims). A group's `status`,
+`drop_reason`, `claimed_ns`, `consumed_step` and `consumed_version` are its claim's when it has
+one (every read through LancePool applies this), else the stored ones:
+
+| column              | type   | meaning |
+|---------------------|--------|---------|
+| group_id            | string | the group decided about |
+| status              | string | consumed (trained on by `consumed_step`) or dropped (`drop_reason`: stale, over_sampling, ...) |
+| drop_reason         | string (null) | why a dropped group was not trained on |
+| consumed_step       | int32 (null)  | learner step that trained on the group |
+| consumed_version    | int32  | learner version at the claim |
+| claimed_ns          | int64  | when the claim was committed |
+| ready_after_version | int64  | every group still claimable after this claim was stored after this `pool` table version (where a restarted learner starts reading) |
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from streamrl.core.types import Admission, Sample, SampleGroup, VersionSpan
 
@@ -93,64 +110,98 @@ ADMISSIONS_SCHEMA = pa.schema(
     ]
 )
 
+CLAIMS_SCHEMA = pa.schema(
+    [
+        ("group_id", pa.string()),
+        ("status", pa.string()),
+        ("drop_reason", pa.string()),
+        ("consumed_step", pa.int32()),
+        ("consumed_version", pa.int32()),
+        ("claimed_ns", pa.int64()),
+        ("ready_after_version", pa.int64()),
+    ]
+)
+
 # Columns that are small enough to scan for bookkeeping (claims, ledger, stats).
 META_COLUMNS = [f.name for f in POOL_SCHEMA if not pa.types.is_list(f.type)]
 
 _json = msgspec.json.Encoder()
 
 
-def _lists(arrays: Sequence[np.ndarray], value_type: pa.DataType, np_dtype: type) -> pa.ListArray:
-    lens = np.fromiter((len(a) for a in arrays), np.int32, len(arrays))
+def _flat(arrays: Sequence[np.ndarray], value_type: pa.DataType, np_dtype: type, total: int) -> pa.Array:
+    """The arrays end to end, copied once into a buffer from Arrow's allocator: it reuses freed
+    memory, where numpy's fresh allocations page-fault on every large append."""
+    buf = pa.allocate_buffer(total * np.dtype(np_dtype).itemsize)
+    if arrays:
+        np.concatenate(arrays, out=np.frombuffer(buf, np_dtype), casting="same_kind")
+    return pa.Array.from_buffers(value_type, total, [None, buf])
+
+
+def _lists(arrays: Sequence[np.ndarray], value_type: pa.DataType, np_dtype: type,
+           lens: np.ndarray | None = None) -> pa.ListArray:
+    if lens is None:
+        lens = np.fromiter(map(len, arrays), np.int64, len(arrays))
     offsets = np.zeros(len(arrays) + 1, np.int32)
     np.cumsum(lens, out=offsets[1:])
-    flat = np.concatenate(arrays).astype(np_dtype, copy=False) if arrays else np.empty(0, np_dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
+    return pa.ListArray.from_arrays(pa.array(offsets), _flat(arrays, value_type, np_dtype, int(offsets[-1])))
+
+
+def _json_col(values: Sequence[Any]) -> pa.Array:
+    return pa.array([b"{}" if not v else _json.encode(v) for v in values], pa.string())
 
 
 def groups_to_table(groups: Sequence[SampleGroup], run_id: str = "") -> pa.Table:
-    rows = [(g, s) for g in groups for s in g.samples]
-    spans_flat = [sp for _, s in rows for sp in s.spans]
-    span_lens = np.fromiter((len(s.spans) for _, s in rows), np.int32, len(rows))
-    span_offsets = np.zeros(len(rows) + 1, np.int32)
+    """Arrow rows of `groups` (POOL_SCHEMA). Group columns are built once per group and repeated
+    with one `take`, so the Python work per sample is a handful of attribute reads."""
+    samples = [s for g in groups for s in g.samples]
+    sizes = np.fromiter((len(g.samples) for g in groups), np.int64, len(groups))
+    row_group = pa.array(np.repeat(np.arange(len(groups), dtype=np.int64), sizes))
+
+    def per_group(values: list[Any], type_: pa.DataType) -> pa.Array:
+        return pa.array(values, type_).take(row_group)
+
+    spans = [sp for s in samples for sp in s.spans]
+    span_lens = np.fromiter((len(s.spans) for s in samples), np.int64, len(samples))
+    span_offsets = np.zeros(len(samples) + 1, np.int32)
     np.cumsum(span_lens, out=span_offsets[1:])
     span_values = pa.StructArray.from_arrays(
-        [pa.array([getattr(sp, f) for sp in spans_flat], pa.int32()) for f in ("version", "start", "end")],
-        fields=list(SPAN_TYPE),
-    )
-    gmin = {g.group_id: g.min_version for g in groups}
-    gmax = {g.group_id: g.max_version for g in groups}
-    gmeta = {g.group_id: _json.encode(g.metadata).decode() for g in groups}
+        [pa.array([sp.version for sp in spans], pa.int32()), pa.array([sp.start for sp in spans], pa.int32()),
+         pa.array([sp.end for sp in spans], pa.int32())], fields=list(SPAN_TYPE))
+    versions = [(g.min_version, g.max_version) for g in groups]
+    group_id = per_group([g.group_id for g in groups], pa.string())
+    index = pa.array([s.index for s in samples], pa.int32())
+    num_tokens = np.fromiter((len(s.response_tokens) for s in samples), np.int64, len(samples))
     cols = {
-        "uid": [f"{g.group_id}/{s.index}" for g, s in rows],
-        "run_id": [run_id] * len(rows),
-        "group_id": [g.group_id for g, _ in rows],
-        "prompt_id": [g.prompt_id for g, _ in rows],
-        "sample_index": pa.array([s.index for _, s in rows], pa.int32()),
-        "n_samples": pa.array([len(g.samples) for g, _ in rows], pa.int32()),
-        "status": [g.status for g, _ in rows],
-        "producer_id": [g.producer_id for g, _ in rows],
-        "prompt_tokens": _lists([g.prompt_tokens for g, _ in rows], pa.int32(), np.int32),
-        "response_tokens": _lists([s.response_tokens for _, s in rows], pa.int32(), np.int32),
-        "loss_mask": _lists([s.loss_mask for _, s in rows], pa.uint8(), np.uint8),
-        "rollout_logprobs": _lists([s.rollout_logprobs for _, s in rows], pa.float32(), np.float32),
+        "uid": pc.binary_join_element_wise(group_id, index.cast(pa.string()), "/"),
+        "run_id": pa.repeat(pa.scalar(run_id), len(samples)) if samples else pa.array([], pa.string()),
+        "group_id": group_id,
+        "prompt_id": per_group([g.prompt_id for g in groups], pa.string()),
+        "sample_index": index,
+        "n_samples": per_group(sizes.tolist(), pa.int32()),
+        "status": per_group([g.status for g in groups], pa.string()),
+        "producer_id": per_group([g.producer_id for g in groups], pa.string()),
+        "prompt_tokens": _lists([g.prompt_tokens for g in groups], pa.int32(), np.int32).take(row_group),
+        "response_tokens": _lists([s.response_tokens for s in samples], pa.int32(), np.int32, num_tokens),
+        "loss_mask": _lists([s.loss_mask for s in samples], pa.uint8(), np.uint8, num_tokens),
+        "rollout_logprobs": _lists([s.rollout_logprobs for s in samples], pa.float32(), np.float32, num_tokens),
         "version_spans": pa.ListArray.from_arrays(pa.array(span_offsets), span_values),
-        "min_version": pa.array([gmin[g.group_id] for g, _ in rows], pa.int32()),
-        "max_version": pa.array([gmax[g.group_id] for g, _ in rows], pa.int32()),
-        "num_tokens": pa.array([s.num_tokens for _, s in rows], pa.int32()),
-        "reward": pa.array([s.reward for _, s in rows], pa.float32()),
-        "rewards_json": [_json.encode(s.rewards).decode() for _, s in rows],
-        "finish_reason": [s.finish_reason for _, s in rows],
-        "failed": pa.array([s.failed for _, s in rows], pa.bool_()),
-        "error": pa.array([s.error for _, s in rows], pa.string()),
-        "drop_reason": pa.array([g.drop_reason for g, _ in rows], pa.string()),
-        "created_ns": pa.array([g.created_at for g, _ in rows], pa.int64()),
-        "claimed_ns": pa.nulls(len(rows), pa.int64()),
-        "consumed_step": pa.array([g.consumed_step for g, _ in rows], pa.int32()),
-        "consumed_version": pa.array([g.consumed_version for g, _ in rows], pa.int32()),
-        "metadata_json": [_json.encode(s.metadata).decode() for _, s in rows],
-        "group_metadata_json": [gmeta[g.group_id] for g, _ in rows],
+        "min_version": per_group([v[0] for v in versions], pa.int32()),
+        "max_version": per_group([v[1] for v in versions], pa.int32()),
+        "num_tokens": pa.array(num_tokens, pa.int32()),
+        "reward": pa.array([s.reward for s in samples], pa.float32()),
+        "rewards_json": _json_col([s.rewards for s in samples]),
+        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
+        "failed": pa.array([s.failed for s in samples], pa.bool_()),
+        "error": pa.array([s.error for s in samples], pa.string()),
+        "drop_reason": per_group([g.drop_reason for g in groups], pa.string()),
+        "created_ns": per_group([g.created_at for g in groups], pa.int64()),
+        "claimed_ns": pa.nulls(len(samples), pa.int64()),
+        "consumed_step": per_group([g.consumed_step for g in groups], pa.int32()),
+        "consumed_version": per_group([g.consumed_version for g in groups], pa.int32()),
+        "metadata_json": _json_col([s.metadata for s in samples]),
+        "group_metadata_json": per_group([_json.encode(g.metadata) for g in groups], pa.string()),
     }
-    return pa.Table.from_pydict(cols, schema=POOL_SCHEMA)
+    return pa.Table.from_arrays(list(cols.values()), schema=POOL_SCHEMA)
 
 
 def _np_lists(col: pa.ChunkedArray | pa.Array) -> list[np.ndarray]:
@@ -225,3 +276,10 @@ def admissions_to_table(admissions: Sequence[Admission]) -> pa.Table:
         },
         schema=ADMISSIONS_SCHEMA,
     )
+
+
+def claims_to_table(columns: dict[str, list[Any]], claimed_ns: int, ready_after_version: int | None) -> pa.Table:
+    """Claim rows from streamrl.core.claims.claim_columns, stamped with the commit's time."""
+    n = len(columns["group_id"])
+    return pa.Table.from_pydict({**columns, "claimed_ns": [claimed_ns] * n,
+                                 "ready_after_version": [ready_after_version] * n}, schema=CLAIMS_SCHEMA)

@@ -15,6 +15,7 @@ import pytest
 
 from streamrl.core.types import Admission, Sample, SampleGroup, VersionSpan
 from streamrl.pools import LancePool
+from streamrl.pools.schema import POOL_SCHEMA
 from streamrl.tools.cli import main
 
 from poolkit import build_char_tokenizer
@@ -98,7 +99,11 @@ def test_export_where(filled_run: Path, tmp_path: Path) -> None:
     assert main(["pool", "export", str(filled_run), str(out), "--where", "status = 'complete'"]) == 0
     t = pq.read_table(out)
     assert t.num_rows == 2 and set(t["group_id"].to_pylist()) == {"g3"}
-    assert t["response_tokens"].to_pylist()[0] == build_char_tokenizer(tmp_path / "t.json").encode("42").ids
+    assert t["completion_tokens"].to_pylist()[0] == build_char_tokenizer(tmp_path / "t.json").encode("42").ids
+    assert t["completion"].to_pylist() == ["42", "42"] and t["prompt"].to_pylist()[0] == "12+30="
+    raw = tmp_path / "raw.parquet"
+    assert main(["pool", "export", str(filled_run), str(raw), "--kind", "raw", "--where", "consumed_step = 0"]) == 0
+    assert pq.read_table(raw).num_rows == 6 and pq.read_table(raw).schema.names == POOL_SCHEMA.names
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

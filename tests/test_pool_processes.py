@@ -223,3 +223,87 @@ def test_sigkill_mid_append_loses_nothing_acknowledged(tmp_path: Path):
         led = pool.ledger()
         assert led.balanced and led.consumed == complete and led.complete == 0, led
     print("kill history:", history, "fsync'd side file:", os.path.getsize(side), "bytes")
+
+
+# ---------------------------------------------------------------- (3) SIGKILL the learner mid-claim
+
+CLAIMER_KILLABLE = r"""
+import json, os, sys, time
+from streamrl.pools import LancePool
+uri, log, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
+pool = LancePool(uri, create=False, compact_every=6)  # compactions in the background get killed too
+with open(log, "a") as f:
+    while True:
+        b = pool.claim(step, learner_version=step, num_groups=2, max_staleness=10**6)
+        if b is None:
+            time.sleep(0.002)
+            continue
+        # Written only after claim() returned: a claim committed just before the kill is in the
+        # pool but not here, as with a learner killed before it trained on the batch.
+        f.write(json.dumps({"step": step, "groups": [g.group_id for g in b.groups],
+                            "whole": all(len(g.samples) == 3 for g in b.groups)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+        step += 1
+"""
+
+
+def _next_step(uri: Path) -> int:
+    with LancePool(uri, create=False) as pool:
+        steps = pool.claims()["consumed_step"].to_pylist()
+    return max((s for s in steps if s is not None), default=-1) + 1
+
+
+def test_sigkill_of_the_learner_mid_claim_and_a_writer_mid_append(tmp_path: Path):
+    """Producers and the learner die with SIGKILL at random moments, again and again: every
+    append that returned is stored whole, every batch a claim returned is recorded under its
+    step, no group is ever claimed twice, and the ledger balances after each round."""
+    uri = tmp_path / "run" / "pool"
+    LancePool(uri).close()
+    side, claimed_log, n = tmp_path / "acknowledged.txt", tmp_path / "claimed.jsonl", 3
+    rng = random.Random(20261124)
+    for round_ in range(6):
+        before = side.read_text().count("\n") if side.exists() else 0
+        producer = popen_python(KILLABLE, uri, side, f"w{round_}", n)
+        claimer = popen_python(CLAIMER_KILLABLE, uri, claimed_log, _next_step(uri))
+        _wait_for_lines(side, producer, before + 4, timeout=60)
+        time.sleep(rng.uniform(0.2, 1.5))
+        victims = [claimer] if round_ % 2 else [claimer, producer]  # the learner always, the writer every other round
+        for p in victims:
+            p.send_signal(signal.SIGKILL)
+        for p in victims:
+            p.communicate(timeout=30)
+            assert p.returncode == -signal.SIGKILL, f"a child exited {p.returncode} before the kill"
+        if producer not in victims:
+            producer.send_signal(signal.SIGKILL)
+            producer.communicate(timeout=30)
+
+        acknowledged = [g for g in side.read_text().splitlines() if g]
+        batches = [json.loads(line) for line in claimed_log.read_text().splitlines()] if claimed_log.exists() else []
+        with LancePool(uri, create=False) as pool:
+            claims = pool.claims()
+            twice = [g for g, c in Counter(claims["group_id"].to_pylist()).items() if c > 1]
+            assert not twice, f"round {round_}: groups claimed twice: {twice[:5]}"
+            step_of = dict(zip(claims["group_id"].to_pylist(), claims["consumed_step"].to_pylist()))
+            for b in batches:
+                assert b["whole"], b
+                assert all(step_of.get(g) == b["step"] for g in b["groups"]), f"returned but not recorded: {b}"
+            status = {g: s for g, s in zip(*(pool.scan(["group_id", "status"])[c].to_pylist()
+                                             for c in ("group_id", "status")))}
+            missing = [g for g in acknowledged if status.get(g) not in ("complete", "consumed")]
+            assert not missing, f"round {round_}: acknowledged appends not stored: {missing[:5]}"
+            assert rows_per_group(pool) == {g: n for g in status}, "a group stored with a wrong number of rows"
+            led = pool.ledger()
+            assert led.balanced and led.lost == 0 and led.duplicated == 0, (round_, led)
+
+    assert len(batches) > 0
+    # A last learner takes everything left; every stored group ends consumed exactly once.
+    with LancePool(uri, create=False) as pool:
+        left = pool.ledger().complete
+        b = pool.claim(_next_step(uri), learner_version=99, num_groups=left, max_staleness=10**6) if left else None
+        assert left == 0 or (b is not None and len(b.groups) == left)
+        claims = pool.claims()["group_id"].to_pylist()
+        assert len(claims) == len(set(claims))
+        led = pool.ledger()
+        assert led.balanced and led.complete == 0 and led.consumed == len(claims), led
+    print("batches returned:", len(batches), "claims:", len(claims), "acknowledged appends:", len(acknowledged))

@@ -28,6 +28,7 @@ EPILOG = """examples:
   streamrl pool query runs/quickstart "SELECT status, count(*) FROM pool GROUP BY 1"
   streamrl pool show runs/quickstart <GROUP_ID>
   streamrl pool export runs/quickstart out.parquet --where "status = 'consumed'"
+  streamrl pool export runs/quickstart pairs --kind dpo --format hf   # DPO pairs: datasets.load_dataset("pairs")
 """
 
 
@@ -175,7 +176,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
                                    "document described in the README; `ledger.lost` and `ledger.duplicated` must be 0.")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    q = ps.add_parser("query", help="DuckDB SQL over the pool (table `pool`, and `admissions`)",
+    q = ps.add_parser("query", help="DuckDB SQL over the pool (tables `pool`, `admissions`, `claims`)",
                       description="Run SQL over the pool. Only the columns the query names are read, so avoid "
                                   "SELECT * on big pools. Schema: pools/schema.py.")
     q.add_argument("run_dir")
@@ -187,10 +188,40 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     sh.add_argument("run_dir")
     sh.add_argument("group_id")
     sh.add_argument("--tokenizer", help="tokenizer.json or model dir (default: the one recorded in the pool)")
-    ex = ps.add_parser("export", help="write pool rows to Parquet")
+    ex = ps.add_parser(
+        "export", help="write selected samples for SFT, rejection sampling, DPO or sharing (parquet, jsonl, hf)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write the pool rows --where selects (SQL over the pool's columns, as `pool query` sees them) as "
+                    "--kind rows in --format, streaming with a progress bar and bounded memory. Text columns are "
+                    "decoded with the tokenizer the run recorded (or --tokenizer), special tokens kept; token "
+                    "columns hold the exact ids the policy sampled.",
+        epilog="""kinds:
+  samples  one row per sample: prompt, completion, reward, rewards (JSON), versions, status, prompt_tokens,
+           completion_tokens, loss_mask, rollout_logprobs, version_spans (TRL prompt-completion columns)
+  best     the highest-reward sample of each group (best-of-n / rejection sampling), + group_size, group_reward_mean
+  dpo      per group, best (chosen) vs worst (rejected) scored sample, groups whose rewards differ
+           (TRL preference columns: prompt, chosen, rejected, + rewards, indices and tokens)
+  raw      every pool column (to share or archive the pool)
+
+formats (default from OUT: .parquet, .jsonl, anything else is an hf directory):
+  parquet  one file          jsonl  one JSON object per line
+  hf       OUT/data/train-*.parquet + OUT/README.md (dataset card): datasets.load_dataset("OUT")
+
+examples:
+  streamrl pool export runs/quickstart sft.parquet --kind best --where "status = 'consumed' AND reward > 0"
+  streamrl pool export runs/quickstart pairs --kind dpo --format hf
+  streamrl pool export runs/quickstart all.jsonl --kind raw --where "min_version >= 100"
+""")
     ex.add_argument("run_dir")
-    ex.add_argument("out", help="output .parquet path")
-    ex.add_argument("--where", help="Lance SQL filter, e.g. \"status = 'consumed' AND min_version >= 3\"")
+    ex.add_argument("out", help="output file (.parquet, .jsonl) or directory (hf)")
+    ex.add_argument("--where", help="SQL filter on sample rows, e.g. \"status = 'consumed' AND min_version >= 3\"")
+    ex.add_argument("--kind", choices=["samples", "best", "dpo", "raw"], default="samples",
+                    help="what one row is (default samples; see below)")
+    ex.add_argument("--format", dest="fmt", choices=["parquet", "jsonl", "hf"],
+                    help="output format (default: from OUT's suffix)")
+    ex.add_argument("--tokenizer", help="tokenizer.json or model dir for the text columns (default: the one the "
+                                        "run recorded)")
+    ex.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
@@ -335,11 +366,16 @@ def _pool_cmd(args: argparse.Namespace) -> int:
         _print_group(groups[0], pi.load_decoder(args.tokenizer or pool.tokenizer))
         return 0
     if args.pool_cmd == "export":
+        from streamrl.pools.export import export
+
         try:
-            n = pi.export_parquet(pool, args.out, args.where)
+            info = export(pool, args.out, where=args.where, kind=args.kind, fmt=args.fmt, tokenizer=args.tokenizer,
+                          progress=not args.quiet)
         except (ValueError, OSError) as e:
             raise UsageError(f"export failed: {str(e).splitlines()[0]}") from None
-        print(f"wrote {n} rows to {args.out}")
+        where = f" where {args.where}" if args.where else ""
+        print(f"wrote {info['rows']} {args.kind} rows ({info['format']}, from {info['samples_read']} samples{where}) "
+              f"to {args.out} in {info['seconds']:.1f}s")
         return 0
     raise AssertionError(args.pool_cmd)
 
