@@ -22,13 +22,20 @@ import math
 import pytest
 import torch
 
-from streamrl.core.algorithms import LossInputs, RLConfig, aggregation_units, micro_batch_loss, offpolicy, policy_loss
+from streamrl.core.algorithms import (
+    LossInputs,
+    RLConfig,
+    aggregation_units,
+    micro_batch_loss,
+    offpolicy,
+    policy_loss,
+)
 
 NAN = float("nan")
 W = [[3.0, 0.25, NAN], [NAN, NAN, NAN], [1.5, 1.2, 0.8], [4.0, 2.5, NAN]]
 MASK = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.float32)
 PROX = torch.zeros(4, 3)
-BEHAV = torch.tensor([[-math.log(w) if w == w else NAN for w in row] for row in W])
+BEHAV = torch.tensor([[NAN if math.isnan(w) else -math.log(w) for w in row] for row in W])
 G, S10 = 0.8660254, 3.1622777  # sqrt(0.75), sqrt(10)
 C3 = 1.44 ** (1 / 3)
 
