@@ -55,6 +55,19 @@ def warm_start(recipe: Any, out: Path) -> Path:
     return Path(drv.export(str(out / "sft-model")))
 
 
+def shared_start(recipe: Any, prefix: str) -> tuple[Path, Path, float]:
+    """A fresh work directory with the recipe's inputs prepared and its SFT warm-start done once:
+    (work dir, the model every run starts from, SFT seconds)."""
+    from streamrl.runtime.inputs import prepare_inputs
+    from streamrl.runtime.runlog import RunLog
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    prepare_inputs(recipe, RunLog(work / "prepare", echo=False))
+    t0 = time.perf_counter()
+    model = warm_start(recipe, work) if recipe.sft is not None else Path(recipe.model.path)
+    return work, model, time.perf_counter() - t0
+
+
 def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     m = read_jsonl(run_dir / "metrics.jsonl")
 
@@ -89,14 +102,7 @@ def main() -> None:
     steps = 6 if a.quick else (a.steps or base.run.steps)
     from streamrl.runtime.run import run_async
 
-    work = Path(tempfile.mkdtemp(prefix="stream-vs-lockstep-"))
-    from streamrl.runtime.inputs import prepare_inputs
-    from streamrl.runtime.runlog import RunLog
-
-    prepare_inputs(base, RunLog(work / "prepare", echo=False))
-    t0 = time.perf_counter()
-    model = warm_start(base, work) if base.sft is not None else Path(base.model.path)
-    sft_s = time.perf_counter() - t0
+    work, model, sft_s = shared_start(base, "stream-vs-lockstep-")
     pin = not a.no_pin and (os.cpu_count() or 1) >= 2
     modes: dict[str, Any] = {}
     for mode in a.modes.split(","):

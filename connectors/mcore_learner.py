@@ -3,9 +3,14 @@
 Optimizer: torch AdamW. Megatron's own optimizer needs DDP-wrapped models and, on CPU, a
 device redirect plus a CPU grad-clip (FACTS.md); AdamW is element-wise, so it gives the
 same update on tensor-parallel shards. Gradient clipping by global norm; LR schedule linear
-warm-up then constant. Micro-batches hold whole groups and each micro-batch's loss is
-weighted by its share of the aggregation unit (tokens, sequences or groups), so the step
-equals one pass over the whole batch.
+warm-up then constant (counted in optimizer steps). A claimed batch is trained in
+`mini_batches` x `epochs` optimizer steps (1 x 1 by default) after its proximal log-probs and
+off-policy correction are taken once; the objective of a micro-batch is
+streamrl.core.algorithms.objective.micro_batch_loss. Micro-batches hold whole groups and each
+micro-batch's loss is weighted by its share of the aggregation units (tokens, sequences or
+groups with at least one token in the loss), so an optimizer step equals one pass over its
+whole mini-batch. A step whose loss or gradient norm is not finite is skipped (weights,
+optimizer and LR schedule untouched) and counted.
 
 The caller sets up torch.distributed and megatron's parallel state (`init_single_process`
 for one CPU process).
@@ -13,6 +18,8 @@ for one CPU process).
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +29,11 @@ import torch
 
 from streamrl.connectors.mcore_batch import TokenBatch, logprobs_and_entropy
 from streamrl.core import algorithms as alg
+from streamrl.core.algorithms import offpolicy
+from streamrl.core.algorithms.objective import LossInputs, RLConfig, micro_batch_loss
+
+__all__ = ["MegatronLearner", "RLConfig", "Sample", "init_distributed", "init_single_process"]
+log = logging.getLogger(__name__)
 
 
 def init_single_process(seed: int = 0) -> None:
@@ -80,28 +92,6 @@ class _GatherVocab(torch.autograd.Function):
 
 
 @dataclass
-class RLConfig:
-    """The objective; mirrors recipe `learner:` keys (streamrl/recipe.py LearnerCfg)."""
-
-    loss_agg: str = "token"
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.28
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    off_policy: str = "none"  # none | tis | decoupled
-    tis_cap: float = 2.0
-    temperature: float = 1.0  # rollout temperature: log-probs are of softmax(logits / T)
-
-    @classmethod
-    def from_recipe(cls, learner: Any, temperature: float) -> RLConfig:
-        """From a recipe's `learner:` section (streamrl.recipe.LearnerCfg) and rollout temperature."""
-        return cls(**{f: getattr(learner, f) for f in cls.__dataclass_fields__ if f != "temperature"},
-                   temperature=temperature)
-
-
-@dataclass
 class Sample:
     """One learner row: prompt and response ids, rollout log-probs, advantage, group, mask."""
 
@@ -129,7 +119,8 @@ class MegatronLearner:
             self.opt, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
-        self.version = 0  # +1 per optimizer step
+        self.version = 0  # +1 per SFT step and per claimed RL batch (however many optimizer steps it took)
+        self.nonfinite_skipped = 0  # optimizer steps skipped for a non-finite loss or gradient norm, so far
         self.device = next(self.model.parameters()).device
         from megatron.core import parallel_state as mpu
 
@@ -156,16 +147,28 @@ class MegatronLearner:
             out[-1].append(s)
         return out
 
-    def _grad_norm_and_clip(self) -> float:
-        """Global L2 norm over all ranks' gradients, then clip. Tensor-parallel shards are summed
-        across the TP group; replicated parameters (norms) count once; after the DP all-reduce
-        every data-parallel rank holds the same gradients."""
+    def _mini_batches(self, samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
+        """`parts` mini-batches of whole groups in batch order, their group counts as even as
+        possible (fewer mini-batches when the batch has fewer groups); every rank splits alike."""
+        order = list(dict.fromkeys(s.group for s in samples))
+        parts = max(1, min(parts, len(order)))
+        index = {g: i * parts // len(order) for i, g in enumerate(order)}
+        out: list[list[Sample]] = [[] for _ in range(parts)]
+        for s in samples:
+            out[index[s.group]].append(s)
+        return out
+
+    def _reduce_grads_and_norm(self) -> float:
+        """Global L2 norm over all ranks' gradients. Tensor-parallel shards are summed across the
+        TP group; replicated parameters (norms) count once; after the DP all-reduce every
+        data-parallel rank holds the same gradients."""
         import torch.distributed as dist
 
-        grads = [p.grad for p in self.params if p.grad is not None]
         if self.dp > 1:
-            for g in grads:
-                dist.all_reduce(g, group=self.dp_group)  # losses are pre-weighted: a sum is the full-batch grad
+            for p in self.params:
+                if p.grad is None:  # a rank with no rows in this step still joins every all-reduce
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.dp_group)  # losses are pre-weighted: a sum is the full-batch grad
         # On the parameters' device: NCCL reduces device tensors only, and one sync at the end
         # beats a host copy per parameter.
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -180,12 +183,7 @@ class MegatronLearner:
                 replicated += sq
         if self.tp > 1:
             dist.all_reduce(sharded, group=self.tp_group)
-        norm = float((sharded + replicated).sqrt())
-        coef = self.grad_clip / (norm + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        return float((sharded + replicated).sqrt())
 
     def _shard(self, items: Sequence[Any], key: Any) -> list[Any]:
         """This data-parallel rank's share: whole groups (by `key`), round robin."""
@@ -195,29 +193,31 @@ class MegatronLearner:
         mine = set(keys[self.dp_rank::self.dp])
         return [x for x in items if key(x) in mine]
 
-    def _step(self) -> dict[str, float]:
-        grad_norm = self._grad_norm_and_clip()
+    def _optimizer_step(self, loss: float) -> dict[str, Any]:
+        """Clip by global norm and step, unless the loss (summed over ranks) or the gradient norm
+        is not finite: then the gradients are dropped and the weights, the optimizer's moments and
+        the LR schedule stay exactly as they were (counted in `nonfinite_skipped`)."""
+        norm = self._reduce_grads_and_norm()
         lr = self.opt.param_groups[0]["lr"]
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.opt.zero_grad(set_to_none=True)
+            self.nonfinite_skipped += 1
+            log.warning("optimizer step skipped: loss %s, gradient norm %s (%d skipped so far)", loss, norm,
+                        self.nonfinite_skipped)
+            return {"grad_norm": norm, "lr": lr, "skipped": "nonfinite"}
+        coef = self.grad_clip / (norm + 1e-6)
+        if coef < 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        self.version += 1
-        return {"grad_norm": float(grad_norm), "lr": lr}
-
-    @torch.no_grad()
-    def logprobs(self, samples: Sequence[Sample], temperature: float = 1.0, reference: bool = False) -> list[torch.Tensor]:
-        model = self.ref if reference else self.model
-        assert model is not None, "no reference model (with_reference=False)"
-        out = []
-        for mb in self._micro_batches(samples):
-            b = TokenBatch([(s.prompt, s.response) for s in mb]).to(self.device)
-            logp, _ = self._forward(model, b, temperature)
-            out.extend(b.response_values(logp.cpu()))
-        return out
+        return {"grad_norm": norm, "lr": lr, "skipped": None}
 
     # ------------------------------------------------------------ steps
 
-    def sft_step(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
+    def sft_step(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, Any]:
         """Cross-entropy on response tokens (token mean over the whole batch)."""
         self.model.train()
         total = sum(len(r) for _, r in rows)
@@ -229,7 +229,11 @@ class MegatronLearner:
             loss = -(logp * b.resp_mask).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
-        return {"loss": self._dp_sum(loss_sum), **self._step()}
+        loss_sum = self._dp_sum(loss_sum)
+        step = self._optimizer_step(loss_sum)
+        self.version += 1
+        return {"loss": loss_sum, "grad_norm": step["grad_norm"], "lr": step["lr"],
+                "nonfinite_skipped": int(step["skipped"] == "nonfinite")}
 
     def _dp_sum(self, x: float, op: str = "sum") -> float:
         if self.dp == 1:
@@ -240,62 +244,92 @@ class MegatronLearner:
         dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM, group=self.dp_group)
         return float(t)
 
-    def rl_step(self, samples: Sequence[Sample], cfg: RLConfig) -> dict[str, float]:
-        """One policy-gradient step. The proximal policy is the learner before the step
-        (its recomputed log-probs), so on fresh on-policy data the ratio is exactly 1."""
-        self.model.train()
-        everything = samples
-        samples = self._shard(samples, key=lambda s: s.group)
-        mbs = self._micro_batches(samples)
-        prox = self.logprobs(samples, cfg.temperature)
-        ref = self.logprobs(samples, cfg.temperature, reference=True) if cfg.kl_coef > 0 else None
-        samples = everything  # the aggregation unit is the whole batch's
-        unit = {"token": sum(sum(s.loss_mask) if s.loss_mask is not None else len(s.response) for s in samples),
-                "seq": len(samples),
-                "group": len({s.group for s in samples})}[cfg.loss_agg]
-        stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0,
-                 "clip_frac": 0.0}
-        k = 0
-        tokens_total = sum(len(s.response) for s in samples)
-        for mb in mbs:
-            b = TokenBatch([(s.prompt, s.response) for s in mb]).to(self.device)
-            n = len(mb)
-            mask = b.resp_mask * b.scatter([s.loss_mask if s.loss_mask is not None else [1] * len(s.response)
-                                            for s in mb])
-            old = b.scatter(prox[k: k + n])
-            adv = alg.tokens_from_samples(torch.tensor([s.advantage for s in mb], device=self.device), b.resp_mask)
-            weight = None
-            if cfg.off_policy != "none":
-                behav = b.scatter([s.rollout_logprobs for s in mb])  # type: ignore[misc]
-                weight = alg.importance_weight(old, behav, cfg.tis_cap) * b.resp_mask
-            groups = torch.tensor([s.group for s in mb], device=self.device)
+    def _dp_max(self, x: float) -> float:
+        return -self._dp_sum(-x, op="min") if self.dp > 1 else x
+
+    def _prepare(self, mb: Sequence[Sample], cfg: RLConfig) -> tuple[TokenBatch, LossInputs, dict[str, float]]:
+        """A micro-batch's tensors, taken before the batch's first optimizer step: proximal (and
+        reference) log-probs, advantages, and the off-policy correction's loss mask and weights;
+        with the correction's counts for the step's metrics."""
+        b = TokenBatch([(s.prompt, s.response) for s in mb]).to(self.device)
+        with torch.no_grad():
+            prox = self._forward(self.model, b, cfg.temperature)[0] * b.resp_mask
+            ref = None
+            if cfg.kl_coef > 0:
+                assert self.ref is not None, "kl_coef > 0 needs a reference model (with_reference=True)"
+                ref = self._forward(self.ref, b, cfg.temperature)[0] * b.resp_mask
+        mask = b.resp_mask * b.scatter([s.loss_mask if s.loss_mask is not None else [1] * len(s.response)
+                                        for s in mb])
+        behav = None
+        if all(s.rollout_logprobs is not None for s in mb):
+            behav = b.scatter([s.rollout_logprobs for s in mb])  # type: ignore[misc]
+        c = offpolicy.correct(cfg.off_policy, prox, behav, mask, **cfg.correction)
+        adv = alg.tokens_from_samples(torch.tensor([s.advantage for s in mb], device=self.device), b.resp_mask)
+        groups = torch.tensor([s.group for s in mb], device=self.device)
+        x = LossInputs(mask=c.mask, adv=adv, prox=prox, groups=groups, share=0.0, weight=c.weight, ref=ref)
+        return b, x, offpolicy.sums(prox, behav, mask, c)
+
+    def _train_mini_batch(self, mini: list[tuple[TokenBatch, LossInputs]], cfg: RLConfig) -> dict[str, Any]:
+        """One optimizer step on a mini-batch (this rank's micro-batches of it). Each micro-batch's
+        loss is weighted by its share of the aggregation units of the whole mini-batch over all
+        ranks, so the step is the gradient of the full mini-batch's aggregate."""
+        units = [alg.aggregation_units(x.mask, cfg.loss_agg, x.groups) for _, x in mini]  # type: ignore[arg-type]
+        total = self._dp_sum(sum(units))
+        tokens = self._dp_sum(sum(float(x.mask.sum()) for _, x in mini))
+        st = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac", "ratio_max"), 0.0)
+        if total == 0:  # nothing in the loss; Adam's momentum alone would still move the weights
+            return {**st, "grad_norm": 0.0, "lr": self.opt.param_groups[0]["lr"], "skipped": "empty"}
+        for (b, x), u in zip(mini, units):
+            if u == 0:
+                continue
+            x.share = u / total
             logp, ent = self._forward(self.model, b, cfg.temperature, with_entropy=True)
-            pg, pst = alg.policy_loss(logp, old, adv, mask, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip,
-                                      weight, cfg.loss_agg, groups)  # type: ignore[arg-type]
-            loss = pg
-            kl = torch.zeros((), device=self.device)
-            if ref is not None:
-                kl = alg.aggregate(alg.kl_penalty(logp, b.scatter(ref[k: k + n]), cfg.kl_estimator),  # type: ignore[arg-type]
-                                   mask, cfg.loss_agg, groups)  # type: ignore[arg-type]
-                loss = loss + cfg.kl_coef * kl
-            entropy = alg.aggregate(ent.detach(), mask, cfg.loss_agg, groups)  # type: ignore[arg-type, union-attr]
-            if cfg.entropy_coef:
-                loss = loss + alg.entropy_bonus(ent, mask, cfg.entropy_coef, cfg.loss_agg, groups)  # type: ignore[arg-type]
-            share = {"token": float(mask.sum()), "seq": n, "group": len(set(groups.tolist()))}[cfg.loss_agg] / unit
-            (loss * share).backward()
-            tok_share = float(b.resp_mask.sum()) / tokens_total
-            stats["loss"] += float(loss.detach()) * share
-            stats["pg_loss"] += float(pg.detach()) * share
-            stats["kl"] += float(kl.detach()) * share
-            stats["entropy"] += float(entropy) * share
-            stats["ratio_mean"] += float(pst["ratio_mean"]) * tok_share
-            stats["ratio_max"] = max(stats["ratio_max"], float(pst["ratio_max"]))
-            stats["clip_frac"] += float(pst["clip_frac"]) * tok_share
-            k += n
-        for key in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac"):
-            stats[key] = self._dp_sum(stats[key])
-        stats["ratio_max"] = -self._dp_sum(-stats["ratio_max"], op="min") if self.dp > 1 else stats["ratio_max"]
-        return {**stats, **self._step()}
+            loss, parts = micro_batch_loss(logp, ent, x, cfg)  # type: ignore[arg-type]
+            loss.backward()
+            for k in ("loss", "pg_loss", "kl", "entropy"):
+                st[k] += float(parts[k]) * x.share
+            tok_share = float(x.mask.sum()) / tokens
+            st["ratio_mean"] += float(parts["ratio_mean"]) * tok_share
+            st["clip_frac"] += float(parts["clip_frac"]) * tok_share
+            st["ratio_max"] = max(st["ratio_max"], float(parts["ratio_max"]))
+        for k in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac"):
+            st[k] = self._dp_sum(st[k])
+        st["ratio_max"] = self._dp_max(st["ratio_max"])
+        return {**st, **self._optimizer_step(st["loss"])}
+
+    def rl_step(self, samples: Sequence[Sample], cfg: RLConfig) -> dict[str, Any]:
+        """Train on one claimed batch: `cfg.epochs` passes of `cfg.mini_batches` optimizer steps,
+        each on whole groups. The proximal policy is the learner before the batch's first step
+        (its log-probs and the off-policy correction are taken once), so the PPO ratio is exactly
+        1 on the first step and departs from it on later ones, where the clip acts. The policy
+        version moves by one per claimed batch, however many optimizer steps it took: versions
+        count what the broadcaster publishes and what staleness is measured in."""
+        self.model.train()
+        minis = [self._shard(m, key=lambda s: s.group) for m in self._mini_batches(samples, cfg.mini_batches)]
+        prepared: list[list[tuple[TokenBatch, LossInputs]]] = []
+        counts: list[dict[str, float]] = []
+        for m in minis:
+            prepared.append([])
+            for mb in self._micro_batches(m):
+                b, x, c = self._prepare(mb, cfg)
+                prepared[-1].append((b, x))
+                counts.append(c)
+        steps = [self._train_mini_batch(mini, cfg) for _ in range(cfg.epochs) for mini in prepared]
+        self.version += 1
+        out: dict[str, Any] = {k: sum(s[k] for s in steps) / len(steps)
+                               for k in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac", "grad_norm")}
+        out |= {"ratio_max": max(s["ratio_max"] for s in steps), "lr": steps[-1]["lr"],
+                "optimizer_steps": sum(s["skipped"] is None for s in steps),
+                "nonfinite_skipped": sum(s["skipped"] == "nonfinite" for s in steps),
+                "nonfinite_skipped_total": self.nonfinite_skipped,
+                "optim_steps": [{k: s[k] for k in ("loss", "clip_frac", "ratio_max", "grad_norm", "skipped")}
+                                for s in steps]}
+        return out | self._offpolicy_metrics(counts, with_ratio=all(s.rollout_logprobs is not None for s in samples))
+
+    def _offpolicy_metrics(self, counts: list[dict[str, float]], with_ratio: bool) -> dict[str, float]:
+        total = {k: self._dp_sum(sum(c[k] for c in counts)) for k in offpolicy.SUM_KEYS}
+        total |= {k: self._dp_max(max((c[k] for c in counts), default=0.0)) for k in offpolicy.MAX_KEYS}
+        return offpolicy.metrics(total, with_ratio)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         from streamrl.connectors.mcore_model import hf_state_dict

@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from streamrl.core.algorithms import offpolicy
+from streamrl.core.staleness import mode_bound
 from streamrl.core.types import ConsumptionPolicy, PartialRolloutPolicy
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -179,8 +181,24 @@ class LearnerCfg(_Cfg):
     kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # > 0 loads a frozen reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    off_policy: Literal["none", "tis", "decoupled"] = "none"  # correction for stale rollouts
-    tis_cap: PosFloat = 2.0  # truncation of TIS / decoupled behaviour weights
+    # Optimizer steps per claimed batch: `mini_batches` (whole groups each) x `epochs` passes; the
+    # proximal log-probs are taken once per batch, so the PPO clip acts from the second step on.
+    # The policy version moves by one per claimed batch.
+    mini_batches: PosInt = 1
+    epochs: PosInt = 1
+    # Off-policy correction (formulas: streamrl/core/algorithms/offpolicy.py; README "Which off-policy
+    # correction?"). auto = tis when the mode trains stale data (stream with max_staleness > 0,
+    # one_step_off), none when it is on-policy (lockstep, max_staleness 0).
+    off_policy: Literal["auto", "none", "tis", "tis_seq", "mis", "decoupled", "icepop"] = "auto"
+    # Each key below belongs to the corrections named; unset (null) = the default in brackets.
+    tis_cap: Annotated[float, msgspec.Meta(ge=1)] | None = None  # tis, tis_seq: weights truncated here [2.0]
+    seq_ratio: Literal["geometric", "product"] | None = None  # tis_seq, mis (sequence): a sequence's weight [geometric]
+    mis_level: Literal["token", "sequence"] | None = None  # mis: mask tokens or whole sequences [token]
+    mis_low: PosFloat | None = None  # mis: weights outside [mis_low, mis_high] leave the loss [0.5]
+    mis_high: PosFloat | None = None  # [2.0]
+    decoupled_cap: Annotated[float, msgspec.Meta(gt=1)] | None = None  # decoupled: weights over it -> 0 [no cap]
+    icepop_low: PosFloat | None = None  # icepop: weights outside [icepop_low, icepop_high] -> 0 [0.5]
+    icepop_high: PosFloat | None = None  # [5.0]
 
 
 class EnginesCfg(_Cfg):
@@ -416,7 +434,47 @@ def _conflicts(r: Recipe) -> list[tuple[str, str]]:
     if r.producer_api.enabled and r.run.mode != "stream":
         out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
                                             "the other modes generate each batch with the rollout workers"))
+    out += _learner_conflicts(r)
     return out
+
+
+def _learner_conflicts(r: Recipe) -> list[tuple[str, str]]:
+    """Off-policy keys set for a correction that does not read them, bands that are empty, and
+    mini-batches that cannot each hold a whole group."""
+    lc, out = r.learner, []
+    chosen = offpolicy.resolve(lc.off_policy, mode_bound(r.run.mode, r.staleness.max_staleness))
+    why = "" if lc.off_policy != "auto" else f" (auto, for run.mode {r.run.mode}" + (
+        f" with staleness.max_staleness {r.staleness.max_staleness})" if r.run.mode == "stream" else ")")
+    for key in offpolicy.DEFAULTS:
+        if getattr(lc, key) is None or key in offpolicy.USES[chosen]:
+            continue
+        users = " or ".join(k for k, keys in offpolicy.USES.items() if key in keys)
+        out.append((f"learner.{key}", f"is read only by learner.off_policy {users}, but off_policy is {chosen!r}{why}; "
+                                      "remove it or choose one of those"))
+    if chosen == "mis" and lc.seq_ratio is not None and (lc.mis_level or "token") == "token":
+        out.append(("learner.seq_ratio", "has no effect with learner.mis_level token; set mis_level: sequence or remove it"))
+    used = offpolicy.params(chosen, lc)
+    for low, high in (("mis_low", "mis_high"), ("icepop_low", "icepop_high")):
+        if low in used and not used[low] < used[high]:
+            key = low if getattr(lc, low) is not None else high  # the one the recipe set
+            out.append((f"learner.{key}", f"the band [{low} {used[low]}, {high} {used[high]}] is empty: "
+                                          f"{low} must be below {high}"))
+    if lc.mini_batches > r.rollout.groups_per_step:
+        out.append(("learner.mini_batches", f"{lc.mini_batches} exceeds rollout.groups_per_step "
+                                            f"{r.rollout.groups_per_step}: each mini-batch holds whole groups"))
+    return out
+
+
+def learner_summary(r: Recipe) -> str:
+    """One line: the off-policy correction the learner will apply (`auto` resolved, unset keys
+    at their defaults) and its optimizer steps per claimed batch."""
+    lc = r.learner
+    chosen = offpolicy.resolve(lc.off_policy, mode_bound(r.run.mode, r.staleness.max_staleness))
+    keys = ", ".join(f"{k} {v}" for k, v in offpolicy.params(chosen, lc).items())
+    auto = f" (auto, for run.mode {r.run.mode})" if lc.off_policy == "auto" else ""
+    steps = lc.mini_batches * lc.epochs
+    return (f"off-policy correction {chosen}{auto}{': ' + keys if keys else ''}; {steps} optimizer step"
+            f"{'s' if steps > 1 else ''} per claimed batch ({lc.mini_batches} mini-batch(es) x {lc.epochs} epoch(s))")
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

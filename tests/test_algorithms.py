@@ -12,7 +12,8 @@ no torch vector ops and no calls into streamrl. It is written from the literatur
 - KL estimators k1 / k2 / k3 (Schulman, "Approximating KL divergence", 2020) with
   r = pi_ref / pi sampled from pi: k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r
 - TIS (slime / verl): loss * min(exp(old_logp - rollout_logp), C)
-- decoupled PPO (AReaL): ratio against the proximal policy, loss * exp(prox_logp - behav_logp)
+- decoupled PPO (AReaL): ratio against the proximal policy, loss * exp(prox_logp - behav_logp),
+  untruncated (the other corrections, and caps, are tested in tests/test_offpolicy.py)
 
 Inputs are float32 tensors. The reference reads the very same float32 values (rounded with
 `struct`, see `f32`) in double precision, so the only difference left is float32 arithmetic:
@@ -33,8 +34,8 @@ from streamrl.core.algorithms import (
     aggregate,
     entropy_bonus,
     group_advantages,
-    importance_weight,
     kl_penalty,
+    offpolicy,
     policy_loss,
     tokens_from_samples,
 )
@@ -278,15 +279,20 @@ def _gids(name):
     return None if name is None else torch.tensor(GROUP_IDS[name])
 
 
+def _masked(rows):
+    return [[v * MASK[b][t] for t, v in enumerate(row)] for b, row in enumerate(rows)]
+
+
 def _weights(kind):
-    """(module weight tensor, reference weight lists) for no weight, TIS and decoupled PPO."""
+    """(module weight tensor, reference weight lists) for no weight, TIS and decoupled PPO;
+    the module's weights are 0 on tokens outside the loss mask."""
     if kind is None:
         return None, None
     if kind == "tis":  # numer: learner log-probs before the step (= prox), denom: rollout
-        return (importance_weight(t32(PROX), t32(BEHAV), cap=TIS_CAP),
-                ref_tis_weight(PROX, BEHAV, TIS_CAP))
+        return (offpolicy.tis(t32(PROX), t32(BEHAV), t32(MASK), tis_cap=TIS_CAP).weight,
+                _masked(ref_tis_weight(PROX, BEHAV, TIS_CAP)))
     if kind == "decoupled":  # numer: proximal, denom: behaviour; untruncated
-        return importance_weight(t32(PROX), t32(BEHAV)), ref_behaviour_weight(PROX, BEHAV)
+        return offpolicy.decoupled(t32(PROX), t32(BEHAV), t32(MASK)).weight, _masked(ref_behaviour_weight(PROX, BEHAV))
     raise AssertionError(kind)
 
 
@@ -408,11 +414,12 @@ def test_hand_aggregate_and_entropy():
 
 
 def test_hand_importance_weight():
-    # TIS: exp(0 - (-1)) = e = 2.7182818, truncated at 2 -> 2.0
-    assert_matches(importance_weight(t32([[0.0]]), t32([[-1.0]])), [[2.7182818]])
-    assert_matches(importance_weight(t32([[0.0]]), t32([[-1.0]]), cap=2.0), [[2.0]])
-    # decoupled: exp(-1 - 0) = 1/e = 0.3678794 (under any cap >= 1)
-    assert_matches(importance_weight(t32([[-1.0]]), t32([[0.0]]), cap=2.0), [[0.3678794]])
+    one = t32([[1.0]])
+    # decoupled (untruncated): exp(0 - (-1)) = e = 2.7182818; TIS truncates it at 2 -> 2.0
+    assert_matches(offpolicy.decoupled(t32([[0.0]]), t32([[-1.0]]), one).weight, [[2.7182818]])
+    assert_matches(offpolicy.tis(t32([[0.0]]), t32([[-1.0]]), one, tis_cap=2.0).weight, [[2.0]])
+    # exp(-1 - 0) = 1/e = 0.3678794 (under any cap >= 1)
+    assert_matches(offpolicy.tis(t32([[-1.0]]), t32([[0.0]]), one, tis_cap=2.0).weight, [[0.3678794]])
 
 
 # ====================================================================== policy loss vs reference
@@ -527,8 +534,9 @@ def test_aggregate_matches_reference(agg, gids):
 
 
 def test_importance_weights_match_reference():
-    assert_matches(importance_weight(t32(PROX), t32(BEHAV), cap=TIS_CAP), ref_tis_weight(PROX, BEHAV, TIS_CAP))
-    assert_matches(importance_weight(t32(PROX), t32(BEHAV)), ref_behaviour_weight(PROX, BEHAV))
+    assert_matches(offpolicy.tis(t32(PROX), t32(BEHAV), t32(MASK), tis_cap=TIS_CAP).weight,
+                   _masked(ref_tis_weight(PROX, BEHAV, TIS_CAP)))
+    assert_matches(offpolicy.decoupled(t32(PROX), t32(BEHAV), t32(MASK)).weight, _masked(ref_behaviour_weight(PROX, BEHAV)))
 
 
 # ====================================================================== properties
@@ -582,16 +590,16 @@ def test_gradient_at_ratio_one(agg):
 def test_importance_weight_has_no_gradient():
     numer = t32(PROX).requires_grad_(True)
     denom = t32(BEHAV).requires_grad_(True)
-    for cap in (None, TIS_CAP):
-        w = importance_weight(numer, denom, cap=cap)
-        assert not w.requires_grad and w.grad_fn is None
+    for name in ("tis", "tis_seq", "mis", "decoupled", "icepop"):
+        w = offpolicy.correct(name, numer, denom, t32(MASK)).weight
+        assert not w.requires_grad and w.grad_fn is None, name
 
 
 def test_weight_from_logp_is_a_constant_in_the_gradient():
     """A TIS weight built from the learner's own log-probs scales the gradient but is not
     differentiated through (importance_weight detaches)."""
     logp = t32(LOGP).requires_grad_(True)
-    w = importance_weight(logp, t32(BEHAV), cap=TIS_CAP)
+    w = offpolicy.tis(logp, t32(BEHAV), t32(MASK), tis_cap=TIS_CAP).weight
     loss, _ = policy_loss(logp, t32(PROX), t32(ADV), t32(MASK), dual_clip=3.0, weight=w)
     loss.backward()
     ref = ref_policy_loss(LOGP, PROX, ADV, MASK, 0.2, 0.2, 3.0, ref_tis_weight(LOGP, BEHAV, TIS_CAP))

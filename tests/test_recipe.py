@@ -416,9 +416,56 @@ def test_learner_section_maps_onto_the_rl_objective():
     from streamrl.connectors.mcore_learner import RLConfig
 
     r = load_recipe(QUICKSTART, ["learner.off_policy=decoupled", "learner.dual_clip=3", "learner.loss_agg=group",
-                                 "rollout.temperature=0.7"])
+                                 "rollout.temperature=0.7", "learner.decoupled_cap=5", "learner.mini_batches=4",
+                                 "learner.epochs=2"])
     cfg = RLConfig.from_recipe(r.learner, r.rollout.temperature)
     assert (cfg.off_policy, cfg.dual_clip, cfg.loss_agg, cfg.temperature) == ("decoupled", 3.0, "group", 0.7)
+    assert (cfg.decoupled_cap, cfg.mini_batches, cfg.epochs, cfg.correction) == (5.0, 4, 2, {"decoupled_cap": 5.0})
+
+
+@pytest.mark.parametrize("overrides, chosen", [
+    ([], "tis"),  # the quick-start streams with max_staleness 1
+    (["staleness.max_staleness=0"], "none"),
+    (["run.mode=lockstep"], "none"),
+    (["run.mode=one_step_off"], "tis"),  # trains on data one version old
+    (["learner.off_policy=none"], "none"),
+    (["learner.off_policy=icepop", "run.mode=lockstep"], "icepop"),
+])
+def test_off_policy_auto_corrects_stale_modes(overrides, chosen):
+    from streamrl.core.algorithms import RLConfig
+    from streamrl.core.staleness import mode_bound
+    from streamrl.recipe import learner_summary
+
+    r = load_recipe(QUICKSTART, overrides)
+    assert r.learner.off_policy == ("auto" if not any("off_policy" in o for o in overrides) else chosen)
+    cfg = RLConfig.from_recipe(r.learner, 1.0, mode_bound(r.run.mode, r.staleness.max_staleness))
+    assert cfg.off_policy == chosen
+    assert learner_summary(r).startswith(f"off-policy correction {chosen}")
+
+
+@pytest.mark.parametrize("overrides, key, fragment", [
+    (["learner.off_policy=mis", "learner.tis_cap=3"], "learner.tis_cap", "read only by learner.off_policy tis or tis_seq"),
+    (["run.mode=lockstep", "learner.tis_cap=3"], "learner.tis_cap", "off_policy is 'none' (auto, for run.mode lockstep)"),
+    (["learner.off_policy=tis", "learner.icepop_low=0.2"], "learner.icepop_low", "read only by learner.off_policy icepop"),
+    (["learner.off_policy=mis", "learner.mis_low=3"], "learner.mis_low", "the band [mis_low 3.0, mis_high 2.0] is empty"),
+    (["learner.off_policy=icepop", "learner.icepop_high=0.4"], "learner.icepop_high", "icepop_low must be below"),
+    (["learner.off_policy=mis", "learner.seq_ratio=product"], "learner.seq_ratio", "no effect with learner.mis_level token"),
+    (["learner.mini_batches=17"], "learner.mini_batches", "exceeds rollout.groups_per_step 16"),
+    (["learner.tis_cap=0.5"], "learner.tis_cap", ">= 1.0"),
+    (["learner.decoupled_cap=1"], "learner.decoupled_cap", "> 1.0"),
+    (["learner.off_policy=reweight"], "learner.off_policy", "choose one of 'auto', 'none', 'tis', 'tis_seq', 'mis'"),
+    (["learner.epochs=0"], "learner.epochs", ">= 1"),
+])
+def test_inconsistent_learner_settings_name_the_key(overrides, key, fragment):
+    msg = _error(QUICKSTART, overrides)
+    assert f": {key}: " in msg and fragment in msg, msg
+    assert msg.startswith("override '"), msg  # located at the override that set it
+
+
+def test_off_policy_keys_in_the_file_are_located_by_line(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(MINIMAL + "learner:\n  off_policy: tis\n  lr: 1e-5\n  mis_high: 3\n")
+    assert _error(p).startswith(f"{p}:8: learner.mis_high: is read only by learner.off_policy mis")
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)

@@ -157,6 +157,24 @@ def test_without_a_pool_or_evals_and_with_few_keys_the_plots_still_come(tmp_path
     assert s["eval_first"] is None and "no experience pool" in s["notes"][0]
 
 
+def test_learner_plot_shows_the_correction_and_marks_skipped_steps(tmp_path: Path, capsys):
+    rows = [metrics_row(i, is_weight_mean=1.0 + 0.01 * i, is_weight_max=2.0, is_ratio_mean=1.1,
+                        is_masked_tokens=0.0, is_capped_tokens=0.02, clip_frac=0.01 * i,
+                        nonfinite_skipped=int(i in (3, 7)), loss=float("nan") if i in (3, 7) else 0.1)
+            for i in range(12)]
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    plain = write_report(tmp_path, tmp_path / "plain")
+    assert plain["nonfinite_skipped"] == 2
+    assert report_command(str(tmp_path), str(tmp_path / "table"), False) == 0
+    assert "2 optimizer step(s): non-finite loss or grad norm" in capsys.readouterr().out
+    # the same run without the correction's columns and skips draws a different learner plot
+    write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(i) for i in range(12)])
+    older = write_report(tmp_path, tmp_path / "older")
+    assert older["nonfinite_skipped"] == 0
+    new, old = (matplotlib.image.imread(tmp_path / d / "learner.png") for d in ("plain", "older"))
+    assert new.shape == old.shape and (new != old).any()
+
+
 def test_no_drops_still_draws_the_chart(run_dir: Path, pool):
     write_jsonl(run_dir / "metrics.jsonl", [metrics_row(0, drops={})])
     pool.append([make_group("only")], admit=True)

@@ -52,7 +52,8 @@ def staleness(learner_version: int, min_token_version: int) -> int:
 
 def decide(learner_version: int, min_token_version: int, max_staleness: int, policy: ConsumptionPolicy) -> Decision:
     """What the learner does with a group: `take` it as is, `drop` it, or take it with stale
-    tokens masked. `keep` takes over-bound groups whole (the learner reweights them)."""
+    tokens masked. `keep` takes over-bound groups whole: the learner's off-policy correction
+    (`learner.off_policy`; by default tis whenever the bound is above 0) reweights their tokens."""
     if staleness(learner_version, min_token_version) <= max_staleness or policy == "keep":
         return "take"
     return "drop" if policy == "drop" else "mask"

@@ -3,8 +3,10 @@
 Runs as a Ray actor in a run (one process owns the model, the optimizer and the pool's claim
 side). `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
 bound and consumption policy, turns them into learner rows (group advantages over the samples
-that were scored; failed samples are left out), takes one optimizer step and returns the
-step's metrics, including which groups it used. The version it publishes is `learner.version`.
+that were scored; failed samples are left out), trains on them (`learner.mini_batches` x
+`learner.epochs` optimizer steps, the off-policy correction applied) and returns the step's
+metrics, including which groups it used. The version it publishes is `learner.version`: one
+per claimed batch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from streamrl.core import algorithms as alg
+from streamrl.core.staleness import mode_bound
 from streamrl.core.types import Batch, SampleGroup
 from streamrl.recipe import Recipe
 
@@ -142,7 +145,8 @@ class LearnerDriver(WeightSource):
         self.r = recipe
         self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
                                        micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0)
-        self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature)
+        self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature,
+                                        mode_bound(recipe.run.mode, recipe.staleness.max_staleness))
         self.pool = None
         if pool:
             from streamrl.pools import LancePool
@@ -174,6 +178,7 @@ class LearnerDriver(WeightSource):
         self.learner.sched = torch.optim.lr_scheduler.LambdaLR(
             self.learner.opt, lambda s: min(1.0, (s + 1) / lc.warmup_steps) if lc.warmup_steps else 1.0)
         self.learner.version = 0
+        self.learner.nonfinite_skipped = 0  # the running count is of RL steps
         if self.learner.ref is not None:
             self.learner.ref.load_state_dict(self.learner.model.state_dict())
         return losses
@@ -264,6 +269,7 @@ class LearnerDriver(WeightSource):
             extra = load_checkpoint(self.learner, root, step=version)
             self._snapshot = None
             self.last_step = int(extra.get("step", self.version - 1))
+            self.learner.nonfinite_skipped = int(extra.get("nonfinite_skipped_total", 0))
         return extra
 
     # ------------------------------------------------------------ weights
@@ -289,7 +295,8 @@ class LearnerDriver(WeightSource):
             mcore_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
         with self._lock:
             step = self.last_step
-            path = save_checkpoint(self.learner, root, extra={**extra, "step": step},
+            extra = {**extra, "step": step, "nonfinite_skipped_total": self.learner.nonfinite_skipped}
+            path = save_checkpoint(self.learner, root, extra=extra,
                                    keep_last=self.r.run.keep_checkpoints or None)
             return {"path": str(path), "step": step, "version": self.version}
 

@@ -20,7 +20,7 @@ import msgspec
 from streamrl.connectors.auth import Keys, write_private
 from streamrl.core.staleness import mode_bound
 from streamrl.core.types import RunCheckpointed, RunResumed
-from streamrl.recipe import Recipe
+from streamrl.recipe import Recipe, learner_summary
 from streamrl.runtime import RunFailed, faultpoint
 from streamrl.runtime.inputs import eval_records, prepare_inputs, sft_rows
 from streamrl.runtime.runlog import RunLog, now_ns, read_jsonl
@@ -82,6 +82,7 @@ class Services:
         self.log.info(f"Ray: {'joined the cluster at ' + r.ray.address if r.ray.address else 'a local instance of its own'}"
                       f" (GCS {ray.get_runtime_context().gcs_address})")
         self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
+        self.log.info(f"learner: {learner_summary(r)}")
         self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs", keys=self.keys).start()
         self.log.info(f"sglang-router at {self.router.url} (it and the engines want this run's keys)")
         # The SFT policy is kept as an HF directory: a resumed run or a replay builds its learner

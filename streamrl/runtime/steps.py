@@ -84,6 +84,10 @@ class Runtime:
                                 f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
             task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, 5.0))
         self.version = m["policy_version"]
+        if m.get("nonfinite_skipped"):
+            self.log.warn(f"step {step}: {m['nonfinite_skipped']} optimizer step(s) skipped, loss or gradient norm not "
+                          f"finite (loss {m.get('loss')}, grad norm {m.get('grad_norm')}); the weights did not change "
+                          f"({m.get('nonfinite_skipped_total')} skipped in this run)")
         self.log.event(BatchClaimed(step=step, learner_version=m["policy_version"] - 1, group_ids=m["groups"],
                                     dropped=m["dropped_ids"], at=now_ns()))
         reports = await asyncio.gather(*(w.report.remote() for w in self.workers))

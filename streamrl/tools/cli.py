@@ -255,9 +255,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"next: cd {args.dir} && streamrl check recipe.yaml && streamrl run recipe.yaml")
         return 0
     if args.cmd == "check":
-        from streamrl.recipe import dump_recipe, load_recipe
+        from streamrl.recipe import dump_recipe, learner_summary, load_recipe
 
-        print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
+        recipe = load_recipe(args.recipe, args.overrides)
+        print(dump_recipe(recipe), end="")
+        print(f"# learner: {learner_summary(recipe)}")
         return 0
     if args.cmd == "run":
         from streamrl.recipe import load_recipe

@@ -8,9 +8,14 @@ Reads RUN_DIR/metrics.jsonl (required), eval.jsonl, summary.json and the experie
     staleness.png   consumed groups by staleness (pool); per-step staleness without a pool
     throughput.png  generation / training tokens per second and samples per second over wall time
     drops.png       dropped groups by reason, and failed groups
-    learner.png     loss, grad norm, KL and entropy against policy version
+    learner.png     loss, grad norm, KL, entropy, the off-policy correction's weights and the
+                    fractions of tokens it masked or capped (and PPO-clipped), against policy
+                    version; steps skipped for a non-finite loss are marked
 
 A step logged twice (a resumed run redoing a step) counts once: the last row wins.
+
+Long file: every plot `streamrl report` draws and the summary it prints, side by side, so the
+figures and the table read the same metrics.jsonl columns the same way.
 
 `write_report` returns a JSON-serialisable summary; its keys are stable (new ones may appear,
 none are renamed):
@@ -29,6 +34,7 @@ none are renamed):
     drops                       {reason: dropped groups}
     failed_groups               groups whose every sample failed (None without a pool)
     ledger                      {admitted, lost, duplicated, balanced} (None without a pool)
+    nonfinite_skipped           optimizer steps skipped for a non-finite loss or gradient norm
     notes                       what could not be read, and why
     files                       the PNG paths written
 """
@@ -244,27 +250,41 @@ def _plot_drops(drops: dict[str, int], failed: int | None, admitted: int | None,
     _save(fig, path, files)
 
 
+# learner.png: (metrics.jsonl keys, title); off-policy keys: streamrl/core/algorithms/offpolicy.py
+LEARNER_PANELS = [
+    (("loss",), "Loss"), (("grad_norm",), "Gradient norm (before clipping)"),
+    (("kl",), "KL to reference"), (("entropy",), "Entropy (nats / token)"),
+    (("is_weight_mean", "is_weight_max", "is_ratio_mean"), "Off-policy weight (applied; ratio = raw prox / behav)"),
+    (("is_masked_tokens", "is_capped_tokens", "clip_frac"), "Fraction of loss tokens masked / capped / PPO-clipped"),
+]
+
+
 def _plot_learner(rows: list[dict[str, Any]], path: Path, files: list[str]) -> None:
     version, w = _col(rows, "policy_version"), _window(len(rows))
-    fig = Figure(figsize=(11, 6.6), layout="constrained")
-    axes = fig.subplots(2, 2, sharex=True).ravel()
-    for ax, key, title, color in zip(axes, ("loss", "grad_norm", "kl", "entropy"),
-                                     ("Loss", "Gradient norm (before clipping)", "KL to reference",
-                                      "Entropy (nats / token)"), (GEN, TRAIN, SAMPLED, GREEDY)):
-        y = _col(rows, key)
-        _line(ax, version, y, w, color, key)
-        vals = np.unique(y[np.isfinite(y)])
+    skipped = version[np.nan_to_num(_col(rows, "nonfinite_skipped")) > 0]
+    fig = Figure(figsize=(11, 9.6), layout="constrained")
+    axes = fig.subplots(3, 2, sharex=True).ravel()
+    colors = (GEN, TRAIN, SAMPLED, GREEDY)
+    for i, (ax, (keys, title)) in enumerate(zip(axes, LEARNER_PANELS)):
+        ys = {k: _col(rows, k) for k in keys}
+        for j, (key, y) in enumerate(ys.items()):
+            _line(ax, version, y, w, colors[j if len(keys) > 1 else i % len(colors)], key)
+        vals = np.unique(np.concatenate([y[np.isfinite(y)] for y in ys.values()]))
         if not len(vals):
-            _empty(ax, f"{key} not logged")
+            _empty(ax, f"{', '.join(keys)} not logged")
         elif len(vals) == 1:  # a flat line reads as a plotting bug; say it is constant, and why if known
-            why = " (learner.kl_coef is 0: no KL term)" if key == "kl" and vals[0] == 0 else ""
+            why = " (learner.kl_coef is 0: no KL term)" if keys == ("kl",) and vals[0] == 0 else ""
             _empty(ax, f"constant {vals[0]:g}{why}", y=0.75)
-        ax.set_title(title)
-        ax.set_ylabel(key)
+        if len(keys) > 1 and len(vals):
+            ax.legend(fontsize=8, loc="best")
+        for v in skipped:  # optimizer steps skipped for a non-finite loss or gradient norm
+            ax.axvline(v, color="tab:red", lw=1, alpha=0.6)
+        ax.set(title=title, ylabel=keys[0] if len(keys) == 1 else "")
         ax.grid(alpha=0.3)
-    for ax in axes[2:]:
+    for ax in axes[4:]:
         ax.set_xlabel("policy version")
-    fig.suptitle(f"Learner, per step (thick: mean over {w} steps)" if w > 1 else "Learner, per step")
+    head = f"Learner, per step (thick: mean over {w} steps)" if w > 1 else "Learner, per step"
+    fig.suptitle(head + (f"; red: {len(skipped)} step(s) with a non-finite loss skipped" if len(skipped) else ""))
     _save(fig, path, files)
 
 
@@ -333,6 +353,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
         "drops": drops,
         "failed_groups": failed,
         "ledger": ledger,
+        "nonfinite_skipped": int(np.nansum(_col(rows, "nonfinite_skipped"))),
         "notes": notes,
         "files": files,
     }
@@ -368,6 +389,8 @@ def print_summary(s: dict[str, Any]) -> None:
     if led:
         ok = "[green]balanced[/green]" if led["balanced"] else "[red]NOT balanced[/red]"
         t.add_row("ledger", f"{led['admitted']} admitted, lost {led['lost']}, duplicated {led['duplicated']}: {ok}")
+    if s["nonfinite_skipped"]:
+        t.add_row("skipped steps", f"[red]{s['nonfinite_skipped']} optimizer step(s): non-finite loss or grad norm[/red]")
     for n in s["notes"]:
         t.add_row("note", n)
     t.add_row("plots", "\n".join(s["files"]))

@@ -4,15 +4,15 @@ policy_loss: PPO clipped surrogate with asymmetric clip [1 - eps_low, 1 + eps_hi
 optional dual clip c (for A < 0 the loss is capped at -c * A). The ratio is
 exp(logp - prox_logp); `prox_logp` is the proximal policy: the learner's log-probs before this
 step (decoupled PPO, AReaL) or, on-policy, the rollout policy's. An optional per-token
-`weight` multiplies the loss: truncated importance sampling (TIS) or decoupled PPO's
-behaviour correction, both from `importance_weight`.
+`weight` multiplies the loss: the off-policy correction's (offpolicy.py).
 
 kl_penalty: estimators of KL(pi || pi_ref) per token, with d = ref_logp - logp:
     k1 = -d,   k2 = d^2 / 2,   k3 = exp(d) - d - 1   (Schulman's unbiased, non-negative one)
 
 aggregate: token (mean over all unmasked tokens), seq (mean over sequences of each sequence's
 token mean), group (mean over groups of each group's token mean); fully masked sequences or
-groups are left out of the mean.
+groups are left out of the mean. `aggregation_units` counts what that mean divides by, so a step
+split into micro-batches weights each one by its share of the units and sums to the full-batch value.
 """
 
 from __future__ import annotations
@@ -47,13 +47,20 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, how: Aggregation = "token",
     raise ValueError(f"unknown aggregation {how!r}")
 
 
-def importance_weight(numer_logp: torch.Tensor, denom_logp: torch.Tensor, cap: float | None = None) -> torch.Tensor:
-    """exp(numer - denom), truncated at `cap`, without gradient.
-
-    TIS (slime/verl): numer = learner log-probs before the step, denom = rollout log-probs.
-    Decoupled PPO (AReaL): numer = proximal log-probs, denom = behaviour (rollout) log-probs."""
-    w = torch.exp((numer_logp - denom_logp).detach())
-    return w.clamp(max=cap) if cap is not None else w
+def aggregation_units(mask: torch.Tensor, how: Aggregation = "token",
+                      group_ids: torch.Tensor | None = None) -> float:
+    """How many units `aggregate` averages over: unmasked tokens, sequences with at least one
+    unmasked token, or groups with at least one."""
+    per_seq = (mask > 0).sum(dim=1)
+    if how == "token":
+        return float(per_seq.sum())
+    if how == "seq":
+        return float((per_seq > 0).sum())
+    if how == "group":
+        if group_ids is None:
+            raise ValueError("group aggregation needs group_ids (one id per sequence)")
+        return float(len(set(group_ids[per_seq > 0].tolist())))
+    raise ValueError(f"unknown aggregation {how!r}")
 
 
 def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
