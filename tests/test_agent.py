@@ -148,6 +148,21 @@ def test_episode_refuses_a_full_context(engine: Any, tok: Any) -> None:
         asyncio.run(go())
 
 
+def test_a_refused_chat_turn_leaves_the_episode_as_it_was(engine: Any, tok: Any) -> None:
+    async def go() -> tuple[list[int], Episode, str]:
+        async with _client(engine.url) as c:
+            ep = Episode(c, tok, sampling={"temperature": 1.0}, max_new_tokens=4, max_context=24)
+            first = [{"role": "user", "content": "12+3="}]
+            reply = await ep.chat(first)
+            before = list(ep.tokens)
+            with pytest.raises(EpisodeError, match="the model's limit is 24") as ei:
+                await ep.chat([*first, {"role": "assistant", "content": reply}, {"role": "tool", "content": "15+4=" * 3}])
+            return before, ep, str(ei.value)
+
+    before, ep, _ = asyncio.run(go())
+    assert ep.tokens == before and len(ep.replies) == 1 and len(ep.mask) == len(before)
+
+
 def test_openai_client_through_the_proxy_records_the_conversation(engine: Any, tok: Any) -> None:
     import openai
 

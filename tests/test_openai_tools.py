@@ -154,6 +154,11 @@ def test_a_tool_call_is_parsed_answered_and_recorded_exactly(engine: Any, tok: A
     ids, lps = _trained(ep)
     assert tok.decode(ids, skip_special_tokens=False) == CALL + "<|im_end|>" + "3182<|im_end|>"
     assert lps == [e.logprob for r in (first, second) for e in r.choices[0].logprobs.content]
+    # and the stored sequence is what the model saw: one forward pass over it gives the same log-probs
+    from enginekit import load_model, reference_logprobs
+
+    ref = reference_logprobs(load_model(scripted_model), ep.tokens[:1], ep.tokens[1:], temperature=0)
+    assert ref[ep.mask.index(1) - 1:] and [r for r, m in zip(ref, ep.mask[1:]) if m] == pytest.approx(lps, abs=1e-4)
     masked = tok.decode([t for t, m in zip(ep.tokens, ep.mask) if m == 0], skip_special_tokens=False)
     assert "<|im_start|>tool\n3182<|im_end|>" in masked and "<tools>\ncalculator(expression)\n</tools>" in masked
     assert all(v == 0 for v, m in zip(ep.versions, ep.mask) if m)
@@ -260,7 +265,8 @@ def test_a_stop_string_ends_the_turn_after_its_token(engine: Any, tok: Any, scri
     assert nxt.choices[0].finish_reason == "length"
 
 
-def test_n_replies_and_the_conversation_continues_from_the_one_sent_back(engine: Any, tok: Any) -> None:
+def test_n_replies_and_the_conversation_continues_from_the_one_sent_back(engine: Any, tok: Any,
+                                                                         model_dirs: tuple[str, str]) -> None:
     user = {"role": "user", "content": "12+3="}
 
     async def go() -> tuple[Episode, Any, int, Episode, Any]:
@@ -287,6 +293,11 @@ def test_n_replies_and_the_conversation_continues_from_the_one_sent_back(engine:
     assert ep.replies[0].text == r.choices[k].message.content
     assert ep.logprobs[ep.mask.index(1):][:len(chosen)] == [e.logprob for e in chosen]
     assert len(ep.replies) == 2 and sum(ep.mask) == len(chosen) + len(ep.replies[1].tokens)
+    # the stored sequence is what the model saw in both turns: a forward pass over it gives their log-probs
+    from enginekit import load_model, reference_logprobs
+
+    ref = reference_logprobs(load_model(model_dirs[0]), ep.tokens[:1], ep.tokens[1:])
+    assert [r for r, m in zip(ref, ep.mask[1:]) if m] == pytest.approx(_trained(ep)[1], abs=1e-4)
     # an episode that ends after an n > 1 turn keeps the first reply
     assert _trained(ended)[1] == [e.logprob for e in last.choices[0].logprobs.content]
 

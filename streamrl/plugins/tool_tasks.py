@@ -12,7 +12,7 @@ call and the tool's exact result, where the teacher copies the result right `ans
 time. The warm-started model therefore knows the format but spreads its choices over the
 teacher's: sampled accuracy starts near (1 - direct) x call_accuracy x answer_accuracy, and RL on
 the agent's final answer teaches it to always call the tool, copy the problem and copy the result.
-Tuned on the tiny preset: with the defaults, 1200 SFT steps leave sampled accuracy near 0.3 with the
+Tuned on the tiny preset: with the defaults, 1500 SFT steps leave sampled accuracy near 0.3 with the
 right behaviour as the mode (greedy accuracy near 1), the reward-over-imitation setting of the quick-start.
 
 The SFT rows carry the agent's own tool definitions (`tools`, OpenAI's fine-tuning format), so

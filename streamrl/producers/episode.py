@@ -119,7 +119,7 @@ class Episode:
     async def generate(self, max_new_tokens: int | None = None, stop: list[str] | None = None) -> str:
         """One model turn from the context so far; returns its text (special tokens skipped, cut
         before the first of the `stop` strings)."""
-        turn = await self._sample(self._budget(max_new_tokens), stop)
+        turn = await self._sample(self.tokens, self._budget(max_new_tokens, len(self.tokens)), stop)
         self._commit(turn)
         return turn.text
 
@@ -141,16 +141,20 @@ class Episode:
                                        [(t.tokens, t.message) for t in self._candidates], messages, tools)
         except ConversationError as e:
             raise EpisodeError(str(e)) from None
-        if chosen:
-            self._replace_last(self._candidates[chosen])
-        self.observe(delta)
-        budget = self._budget(max_new_tokens)
+        # Nothing changes until the replies exist: a refused or failed turn leaves the episode as it was.
+        kept = self.tokens[:self._turn_start] + self._candidates[chosen].tokens if chosen else self.tokens
+        delta_ids = self._encode(delta)
+        context = kept + delta_ids
+        budget = self._budget(max_new_tokens, len(context))
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._sample(budget, stop)) for _ in range(n)]
+                tasks = [tg.create_task(self._sample(context, budget, stop)) for _ in range(n)]
         except* EpisodeError as group:
             raise group.exceptions[0] from None
         turns = [t.result() for t in tasks]
+        if chosen:
+            self._replace_last(self._candidates[chosen])
+        self.observe(delta_ids)
         names = [(f.get("function") or f).get("name") for f in tools or [] if isinstance(f, dict)]
         for t in turns:
             parsed = chat.parse_tool_calls(t.text, names) if tools and parse_tools else chat.ParsedReply(t.text)
@@ -178,17 +182,17 @@ class Episode:
 
     # ------------------------------------------------------------ internals
 
-    def _budget(self, max_new_tokens: int | None) -> int:
-        if not self.tokens:
+    def _budget(self, max_new_tokens: int | None, context: int) -> int:
+        if not context:
             raise EpisodeError("the episode has no context yet: observe() the prompt first")
-        room = self.max_context - len(self.tokens)
+        room = self.max_context - context
         if room <= 0:
-            raise EpisodeError(f"the context has {len(self.tokens)} tokens, the model's limit is {self.max_context}")
+            raise EpisodeError(f"the context has {context} tokens, the model's limit is {self.max_context}")
         return min(max_new_tokens or self.max_new_tokens, room)
 
-    async def _sample(self, budget: int, stop: list[str] | None) -> Turn:
-        """One reply to the context so far, across engine calls (partial rollouts, engine failures)."""
-        t = partial.Trajectory(prompt=list(self.tokens), max_new_tokens=budget)
+    async def _sample(self, context: list[int], budget: int, stop: list[str] | None) -> Turn:
+        """One reply to `context`, across engine calls (partial rollouts, engine failures)."""
+        t = partial.Trajectory(prompt=list(context), max_new_tokens=budget)
         failures = 0
         while not t.done:
             try:
