@@ -51,7 +51,7 @@ def warm_start(recipe: Any, out: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(recipe.model.path)
     drv = LearnerDriver(recipe, recipe.model.path, pool=False)
     s = recipe.sft
-    drv.sft(sft_rows(recipe, tok), s.steps, s.lr, s.batch_size, recipe.run.seed)
+    drv.sft(sft_rows(recipe, tok), s.steps, s.lr, s.batch_size, recipe.run.seed, s.lr_schedule)
     return Path(drv.export(str(out / "sft-model")))
 
 

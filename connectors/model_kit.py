@@ -23,8 +23,24 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML. With `tools`, a system block lists each function as name(parameters) (Qwen writes the
+# whole JSON schema, which would not fit the tiny preset's 256 positions); an assistant's tool_calls
+# are written as Qwen/Hermes `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, the
+# format streamrl.core.chat parses (tests/test_chat.py checks they agree). Without tools and
+# tool_calls it renders exactly what it did before they existed. (transformers renders templates with
+# trim_blocks: a newline right after a block tag is dropped, hence {{ '\\n' }}.)
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}<tools>\n"
+    "{% for t in tools %}{% set f = t['function'] if t['function'] is defined else t %}"
+    "{{ f['name'] }}({{ (f['parameters']['properties'] if f['parameters'] is defined and "
+    "f['parameters']['properties'] is defined else {}) | join(', ') }})\n{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %}{% set f = c['function'] if c['function'] is defined else c %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": \"{{ f['name'] }}\", \"arguments\": "
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

@@ -122,6 +122,9 @@ class SftCfg(_Cfg):
     path: str
     steps: PosInt = 100
     lr: PosFloat = 1e-3
+    # cosine: the learning rate falls from lr to lr/10 over the steps, so the warm-started policy
+    # does not depend on where the last few high-lr steps happened to leave it
+    lr_schedule: Literal["constant", "cosine"] = "constant"
     batch_size: PosInt = 64
     prompt_key: str = "prompt"
     response_key: str = "response"

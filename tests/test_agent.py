@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from streamrl.producers.episode import Episode, EpisodeError, chat_delta, to_samples
+from streamrl.producers.chat_template import ConversationError, chat_delta
+from streamrl.producers.episode import Episode, EpisodeError, Turn, to_samples
 
 
 @pytest.fixture(scope="module")
@@ -27,24 +28,45 @@ def ids(tok: Any, text: str) -> list[int]:
 # ---------------------------------------------------------------- chat_delta
 
 
+def _reply(tok: Any, ids_: list[int]) -> tuple[list[int], dict[str, Any]]:
+    return ids_, {"role": "assistant", "content": tok.decode(ids_, skip_special_tokens=True)}
+
+
 def test_chat_delta_adds_only_what_follows_the_models_tokens(tok: Any) -> None:
     first = [{"role": "user", "content": "397+8="}]
-    assert chat_delta(tok, None, [], first) == "<|im_start|>user\n397+8=<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_delta(tok, None, [], first) == ("<|im_start|>user\n397+8=<|im_end|>\n<|im_start|>assistant\n", 0)
     then = [*first, {"role": "assistant", "content": "405"}, {"role": "tool", "content": "405+5="}]
     # the reply ended with the stop token the model generated: only the newline after it is new
     stopped = ids(tok, "405") + [tok.eos_token_id]
-    assert chat_delta(tok, first, stopped, then) == "\n<|im_start|>tool\n405+5=<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_delta(tok, first, [_reply(tok, stopped)], then) == (
+        "\n<|im_start|>tool\n405+5=<|im_end|>\n<|im_start|>assistant\n", 0)
     # cut by max_new_tokens: the end-of-turn marker is context, not a model token
-    assert chat_delta(tok, first, ids(tok, "405"), then).startswith("<|im_end|>\n<|im_start|>tool\n")
+    assert chat_delta(tok, first, [_reply(tok, ids(tok, "405"))], then)[0].startswith("<|im_end|>\n<|im_start|>tool\n")
+
+
+def test_chat_delta_continues_the_reply_sent_back_and_keeps_the_models_tokens(tok: Any) -> None:
+    first = [{"role": "user", "content": "12+3="}]
+    replies = [_reply(tok, ids(tok, "15") + [tok.eos_token_id]), _reply(tok, ids(tok, "16"))]
+    then = [*first, {"role": "assistant", "content": "16"}, {"role": "tool", "content": "16+1="}]
+    delta, chosen = chat_delta(tok, first, replies, then)
+    assert chosen == 1 and delta.startswith("<|im_end|>\n<|im_start|>tool\n")
+    # a reply the template writes differently (the agent saw "15" but the model wrote "15 Obs", cut at a
+    # stop string): its tokens stay, the template's end of turn follows them
+    cut = (ids(tok, "15 Obs"), {"role": "assistant", "content": "15"})
+    delta, _ = chat_delta(tok, first, [cut], [*first, {"role": "assistant", "content": "15"},
+                                              {"role": "tool", "content": "x"}])
+    assert delta == "<|im_end|>\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_chat_delta_refuses_an_edited_history(tok: Any) -> None:
     first = [{"role": "user", "content": "397+8="}]
     edited = [*first, {"role": "assistant", "content": "406"}, {"role": "tool", "content": "x"}]
-    with pytest.raises(EpisodeError, match=r"message 1 \('assistant': '406'\) differs"):
-        chat_delta(tok, first, ids(tok, "405") + [tok.eos_token_id], edited)
-    with pytest.raises(EpisodeError, match="must add at least one message"):
-        chat_delta(tok, first, ids(tok, "405"), [*first, {"role": "assistant", "content": "405"}])
+    with pytest.raises(ConversationError, match=r"message 1 \('assistant': '406'\) differs"):
+        chat_delta(tok, first, [_reply(tok, ids(tok, "405") + [tok.eos_token_id])], edited)
+    with pytest.raises(ConversationError, match="must add at least one message"):
+        chat_delta(tok, first, [_reply(tok, ids(tok, "405"))], [*first, {"role": "assistant", "content": "405"}])
+    with pytest.raises(ConversationError, match=r"message 0 \('user': '397\+9='\) differs"):
+        chat_delta(tok, first, [_reply(tok, ids(tok, "405"))], [{"role": "user", "content": "397+9="}, *edited[1:]])
 
 
 # ---------------------------------------------------------------- to_samples
@@ -58,8 +80,7 @@ def _episode(tok: Any, parts: list[tuple[str, int]]) -> Episode:
         if v < 0:
             ep.observe(t)
         else:
-            ep._add(t, [1] * len(t), [-0.5] * len(t), [v] * len(t))
-            ep.turns.append(text)
+            ep._commit(Turn(t, [-0.5] * len(t), [v] * len(t), "stop", text))
     return ep
 
 
@@ -127,6 +148,21 @@ def test_episode_refuses_a_full_context(engine: Any, tok: Any) -> None:
         asyncio.run(go())
 
 
+def test_a_refused_chat_turn_leaves_the_episode_as_it_was(engine: Any, tok: Any) -> None:
+    async def go() -> tuple[list[int], Episode, str]:
+        async with _client(engine.url) as c:
+            ep = Episode(c, tok, sampling={"temperature": 1.0}, max_new_tokens=4, max_context=24)
+            first = [{"role": "user", "content": "12+3="}]
+            reply = await ep.chat(first)
+            before = list(ep.tokens)
+            with pytest.raises(EpisodeError, match="the model's limit is 24") as ei:
+                await ep.chat([*first, {"role": "assistant", "content": reply}, {"role": "tool", "content": "15+4=" * 3}])
+            return before, ep, str(ei.value)
+
+    before, ep, _ = asyncio.run(go())
+    assert ep.tokens == before and len(ep.replies) == 1 and len(ep.mask) == len(before)
+
+
 def test_openai_client_through_the_proxy_records_the_conversation(engine: Any, tok: Any) -> None:
     import openai
 
@@ -150,7 +186,7 @@ def test_openai_client_through_the_proxy_records_the_conversation(engine: Any, t
             for name, call in {
                 "bad_key": openai.AsyncOpenAI(base_url=ep.base_url, api_key="nope", max_retries=0)
                 .chat.completions.create(model="x", messages=msgs),
-                "stream": oa.chat.completions.create(model="x", messages=msgs, stream=True),
+                "n": oa.chat.completions.create(model="x", messages=msgs, n=0),
                 "edited": oa.chat.completions.create(model="x", messages=[
                     {"role": "user", "content": "12+3="}, {"role": "assistant", "content": "999"},
                     {"role": "tool", "content": "1"}]),
@@ -173,7 +209,7 @@ def test_openai_client_through_the_proxy_records_the_conversation(engine: Any, t
     assert rendered.startswith(text) and rendered[len(text):] in ("\n", "<|im_end|>\n")  # the exact conversation
     masked = tok.decode([t for t, m in zip(ep.tokens, ep.mask) if m == 0], skip_special_tokens=False)
     assert "<|im_start|>tool\n15+4=<|im_end|>" in masked  # the tool's message is context, never trained
-    assert errors["bad_key"][0] == 401 and errors["stream"][0] == 400 and "stream" in errors["stream"][1]
+    assert errors["bad_key"][0] == 401 and errors["n"][0] == 400 and "n is 0" in errors["n"][1]
     assert errors["edited"][0] == 400 and "differs" in errors["edited"][1]
 
 

@@ -143,6 +143,8 @@ MALFORMED = [
     ('{"prompt": ["hi"], "label": 1}', "key 'prompt' item 0 is str 'hi'"),
     ('{"prompt": [{"role": "user"}], "label": 1}', "key 'prompt' item 0 has no 'content'"),
     ('{"prompt": [{"role": 1, "content": "x"}], "label": 1}', "key 'prompt' item 0: \"role\" is 1"),
+    ('{"prompt": "a", "label": 1, "tools": {"name": "f"}}', "key 'tools': tools is dict, not a list"),
+    ('{"prompt": "a", "label": 1, "tools": [{"type": "function", "function": {}}]}', "key 'tools': tools[0] is not"),
 ]
 
 

@@ -13,6 +13,7 @@ from streamkit import (
     assert_ledger_balanced,
     check_step_metrics,
     pool_groups,
+    read_jsonl,
     read_metrics,
     run_recipe,
     task_data,  # noqa: F401 - fixtures
@@ -71,3 +72,42 @@ def test_env_runs_store_exact_conversations(tmp_path: Path, tiny_model: Path, ta
     assert main(["pool", "show", str(run_dir), groups[0].group_id]) == 0
     shown = capsys.readouterr().out
     assert "masked=" in shown and "[[" in shown, shown  # the tool's tokens are marked as not trained
+
+
+def test_a_function_calling_agent_is_trained_and_evaluated_on_its_task(tmp_path: Path) -> None:
+    """recipes/tool_agent.yaml in small: SFT on the tool-call format, then the openai SDK's tools= loop
+    (streaming) in stream mode; the pool holds the parsed calls' exact tokens, the tool results
+    masked, and held-out accuracy is the agent's task reward before and after."""
+    from transformers import AutoTokenizer
+
+    from streamrl.plugins.tool_tasks import write_tool_task
+
+    data = write_tool_task(tmp_path / "data", n_train=64, n_eval=4, n_sft=512)
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, tmp_path / "model", data["train"], {
+        "run.steps": 2, "reward": None, "rollout.max_new_tokens": 64, "learner.lr": 6.0e-4,
+        "env": {"fn": "streamrl.recipes.envs.calculator:solve_tools", "args": {"stream": True}},
+        "data.eval_path": str(data["eval"]), "data.eval_size": 4, "data.eval_samples": 1,
+        "sft": {"path": str(data["sft"]), "steps": 300, "lr": 3.0e-3, "batch_size": 32}})
+    run_recipe(recipe, run_dir)
+    check_step_metrics(read_metrics(run_dir), 2)
+    assert_ledger_balanced(run_dir)
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    assert [e["policy_version"] for e in evals] == [0, 2] and all(0 <= e["accuracy"] <= 1 for e in evals)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    calls = 0
+    for g in pool_groups(run_dir, "status = 'consumed'"):
+        prompt = tok.decode(g.prompt_tokens, skip_special_tokens=False)
+        assert prompt.startswith("<|im_start|>system\n<tools>\ncalculator(expression)\n</tools>"), prompt
+        assert prompt.endswith("<|im_start|>assistant\n"), prompt
+        for s in g.samples:
+            assert not s.failed, s.error
+            assert s.reward in (0.0, 1.0) and "answered" in s.rewards
+            assert (s.rollout_logprobs[s.loss_mask == 1] < 0).all() and (s.rollout_logprobs[s.loss_mask == 0] == 0).all()
+            if s.metadata["tool_calls"]:
+                calls += 1
+                trained = tok.decode(s.response_tokens[s.loss_mask == 1].tolist(), skip_special_tokens=False)
+                masked = tok.decode(s.response_tokens[s.loss_mask == 0].tolist(), skip_special_tokens=False)
+                assert trained.startswith('<tool_call>\n{"name": "calculator"'), trained
+                assert "<|im_start|>tool\n" in masked and masked.endswith("<|im_start|>assistant\n"), masked
+    assert calls > 0, "no sample called the tool after SFT on the tool-call format"

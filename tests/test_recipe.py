@@ -478,3 +478,12 @@ def test_every_shipped_recipe_loads(path, tmp_path, monkeypatch):
         path = tmp_path / "recipe.yaml"
     r = load_recipe(path)
     assert r.run.steps >= 1 and r.model.path and r.data.path
+
+
+def test_sft_lr_schedule_is_constant_unless_asked() -> None:
+    sft = MINIMAL + "sft:\n  path: s.jsonl\n"
+    assert parse_recipe(sft, "x.yaml").sft.lr_schedule == "constant"
+    assert parse_recipe(sft + "  lr_schedule: cosine\n", "x.yaml").sft.lr_schedule == "cosine"
+    with pytest.raises(RecipeError,
+                       match=r"^x\.yaml:7: sft\.lr_schedule: Invalid enum value 'linear'; choose one of 'constant', 'cosine'"):
+        parse_recipe(sft + "  lr_schedule: linear\n", "x.yaml")

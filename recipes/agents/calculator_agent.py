@@ -35,7 +35,7 @@ def calculator(expression: str) -> int:
 _http: openai.DefaultAsyncHttpxClient | None = None
 
 
-def _client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+def shared_client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
     """A client per conversation over one shared connection pool: building an AsyncOpenAI client
     with its own pool creates an SSL context, ~24 ms of CPU each time."""
     global _http
@@ -45,7 +45,7 @@ def _client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
 
 
 async def run(numbers: list[int], base_url: str, api_key: str, max_tokens: int = 8) -> list[str]:
-    client = _client(base_url, api_key)
+    client = shared_client(base_url, api_key)
     expression = f"{numbers[0]}+{numbers[1]}"
     messages = [{"role": "user", "content": expression + "="}]
     answers = []

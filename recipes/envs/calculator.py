@@ -11,6 +11,9 @@ turns answered exactly, with `right_turns` as a component.
   quick-start model was trained on.
 - `solve_openai`: an unmodified OpenAI-client agent (recipes/agents/calculator_agent.py) gets
   the episode's base URL and API key; the run's proxy records its exact tokens.
+- `solve_tools`: a function-calling agent (recipes/agents/tool_agent.py, the SDK's `tools=` loop)
+  answers a problem it is expected to hand to its calculator tool (recipes/tool_agent.yaml);
+  reward 1 for the right final answer.
 """
 
 from __future__ import annotations
@@ -21,15 +24,19 @@ from typing import Any
 
 from streamrl.recipes.agents.calculator_agent import calculator
 from streamrl.recipes.agents.calculator_agent import run as run_agent
+from streamrl.recipes.agents.tool_agent import run as run_tool_agent
+
+
+def question(task: dict[str, Any]) -> str:
+    """The task's problem text ("397+8="); chat data (tasks.write_task chat=True) holds it as the user's message."""
+    prompt = task["prompt"]
+    return str(prompt[-1]["content"] if isinstance(prompt, list) else prompt)
 
 
 def chain(task: dict[str, Any], turns: int) -> list[int]:
     """The numbers of the task's chain: its two operands, then turns - 1 digits drawn from the
     task id (the same for every sample of a group, so GRPO compares like with like)."""
-    prompt = task["prompt"]
-    if isinstance(prompt, list):  # chat data (tasks.write_task chat=True): the user's message
-        prompt = prompt[-1]["content"]
-    m = re.fullmatch(r"\s*(\d+)\+(\d+)=\s*", str(prompt))
+    m = re.fullmatch(r"\s*(\d+)\+(\d+)=\s*", question(task))
     if m is None:
         raise ValueError(f"expected a prompt like '397+8=', got {task['prompt']!r}")
     rng = random.Random(str(task["id"]))
@@ -58,3 +65,9 @@ async def solve(task: dict[str, Any], llm: Any, turns: int = 3) -> dict[str, flo
 async def solve_openai(task: dict[str, Any], llm: Any, turns: int = 3) -> dict[str, float]:
     numbers = chain(task, turns)
     return score(numbers, await run_agent(numbers, base_url=llm.base_url, api_key=llm.api_key))
+
+
+async def solve_tools(task: dict[str, Any], llm: Any, max_turns: int = 3, stream: bool = False) -> dict[str, float]:
+    answer = await run_tool_agent(question(task), base_url=llm.base_url, api_key=llm.api_key,
+                                  max_turns=max_turns, max_tokens=llm.max_new_tokens, stream=stream)
+    return {"reward": float((answer or "").strip() == str(task["label"]).strip()), "answered": float(answer is not None)}

@@ -5,6 +5,9 @@ label (whatever the reward function compares against), optionally an `id`:
 
     {"id": "q1", "prompt": "2+3=", "label": "5"}
 
+A row may also carry `tools` (OpenAI function definitions, as in OpenAI's fine-tuning format):
+chat prompts are then rendered with them (SFT rows for tool calling, streamrl/plugins/tool_tasks.py).
+
 The whole file is read and checked when the source is built, so a typo in row 90 000 stops the
 run before any GPU time is spent (or, with `on_error="skip"`, is reported once and left out).
 `PromptSource.next()` walks the rows epoch by epoch, each epoch in its own seeded order, and
@@ -21,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from streamrl.core.chat import check_tools
 
 log = logging.getLogger("streamrl.plugins.data")
 
@@ -81,6 +86,8 @@ def _check_row(obj: Any, prompt_key: str, label_key: str) -> str | None:
         if key not in obj:
             return (f"missing key {key!r} (keys present: {', '.join(map(repr, obj)) or 'none'}); add it to the "
                     f"row or set data.{setting} in the recipe to the key that holds it")
+    if "tools" in obj and (why := check_tools(obj["tools"])) is not None:
+        return f"key 'tools': {why}"
     return _check_prompt(obj[prompt_key], prompt_key)
 
 

@@ -14,9 +14,11 @@ A recipe names an environment function; the rollout worker calls it once per sam
 
 `llm` is an `Episode`. It never re-tokenizes what the model produced: every model turn is the
 exact tokens the engine sampled (with their log-probs and policy versions) and everything else is
-tokenized as it is added, so the stored sample is exactly the sequence the model saw. `chat()`
-takes OpenAI-style message lists and adds only what is new since the last turn, rendered with
-the tokenizer's chat template (`chat_delta`). An agent that only speaks the OpenAI API gets
+tokenized as it is added, so the stored sample is exactly the sequence the model saw.
+`complete()` (and `chat()`, its one-reply text) takes OpenAI-style message lists, with tools and
+tool calls, and adds only what is new since the last turn, rendered with the tokenizer's chat
+template (streamrl/producers/chat_template.py); tool calls in the model's text are parsed into
+OpenAI `tool_calls` (streamrl/core/chat.py). An agent that only speaks the OpenAI API gets
 `llm.base_url` and `llm.api_key` (or `llm.openai()`): the run's proxy (streamrl/producers/openai_proxy.py)
 serves `/v1/chat/completions` from this same episode.
 
@@ -30,14 +32,18 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import secrets
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from streamrl.connectors import sglang_api as api
 from streamrl.connectors.sglang_client import ENGINE_FAILURES, retryable
-from streamrl.core import partial
+from streamrl.core import chat, partial
 from streamrl.core.types import Sample, VersionSpan
+from streamrl.producers.chat_template import ConversationError, chat_delta
 
 
 class EpisodeError(Exception):
@@ -45,53 +51,30 @@ class EpisodeError(Exception):
     extend its previous turns); the sample is stored as failed with this message."""
 
 
-def _content(m: dict[str, Any]) -> str:
-    """A message's text; OpenAI content parts ([{"type": "text", "text": ...}]) are joined."""
-    c = m.get("content")
-    if isinstance(c, list):
-        return "".join(p.get("text", "") for p in c if isinstance(p, dict))
-    return c or ""
+@dataclass
+class Turn:
+    """One model turn: the exact tokens the engine sampled (with log-probs and policy versions)
+    and what the agent is told: `content` and OpenAI `tool_calls` parsed from the text, or
+    `tool_call_error` when the tool-call text was malformed (then `content` is the whole text)."""
 
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str  # stop | length
+    text: str  # what the model wrote: special tokens skipped, cut before a stop string
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_call_error: str | None = None
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, tools: Any = None) -> str:
-    msgs = [{**m, "content": _content(m)} for m in messages]
-    kw = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=False, **kw)
+    @property
+    def message(self) -> dict[str, Any]:
+        """The assistant message as OpenAI returns it."""
+        return {"role": "assistant", "content": self.content,
+                **({"tool_calls": self.tool_calls} if self.tool_calls else {})}
 
-
-def chat_delta(tokenizer: Any, history: list[dict[str, Any]] | None, reply_ids: list[int],
-               messages: list[dict[str, Any]], tools: Any = None) -> str:
-    """The chat-template text to add after the tokens so far so that the context is `messages`
-    followed by the assistant prompt.
-
-    `history` is the message list of the previous call (None on the first), `reply_ids` the
-    tokens the model generated for it. The new `messages` must start with `history` and the
-    reply as the assistant message; only the template text after the reply's tokens is new
-    (e.g. the end-of-turn marker, a tool result and the next assistant header). Raises
-    EpisodeError when the conversation does not extend the previous one."""
-    if history is None:
-        return _render(tokenizer, messages, True, tools)
-    reply = tokenizer.decode(reply_ids, skip_special_tokens=True)
-    expected = [*history, {"role": "assistant", "content": reply}]
-    for i, (want, got) in enumerate(zip(expected, messages)):
-        if got.get("role") != want.get("role") or _content(got) != _content(want):
-            raise EpisodeError(
-                f"message {i} ({got.get('role')!r}: {_content(got)[:60]!r}) differs from the one this episode "
-                f"generated or was sent ({want.get('role')!r}: {_content(want)[:60]!r}); a trained conversation "
-                "must send earlier messages back unchanged (token-in/token-out: the model's own tokens are kept)")
-    if len(messages) <= len(expected):
-        raise EpisodeError(f"the conversation has {len(messages)} messages; a new turn must add at least one "
-                           f"message after the {len(expected)} of the previous turn and its reply")
-    before = _render(tokenizer, history, True, tools)
-    generated = before + tokenizer.decode(reply_ids, skip_special_tokens=False)
-    closed = _render(tokenizer, expected, False, tools)
-    full = _render(tokenizer, messages, True, tools)
-    if not closed.startswith(generated) and closed.startswith(before + reply):
-        generated = before + reply  # the reply ended at a stop token the template writes itself
-    if not closed.startswith(generated) or not full.startswith(closed):
-        raise EpisodeError("the chat template does not render this conversation as an extension of its previous "
-                           "turn, so the new turn cannot reuse the model's tokens")
-    return full[len(generated):]
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.tool_calls else self.finish
 
 
 class Episode:
@@ -107,13 +90,24 @@ class Episode:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # -1 for tokens the model did not generate
-        self.turns: list[str] = []  # text of each model turn
-        self.finish = ""  # finish reason of the last turn
+        self.replies: list[Turn] = []  # the model turns in the context, in order
         self.stats = {"calls": 0, "interruptions": 0, "engine_errors": 0, "gen_tokens": 0}
         self.base_url: str | None = None  # the OpenAI-compatible proxy, when the run serves one
         self.api_key: str | None = None
         self._history: list[dict[str, Any]] | None = None
-        self.reply_ids: list[int] = []
+        self._tools: Any = None
+        self._candidates: list[Turn] = []  # the last chat turn's n replies; the context holds one
+        self._turn_start = 0
+
+    @property
+    def turns(self) -> list[str]:
+        """The text of each model turn."""
+        return [t.text for t in self.replies]
+
+    @property
+    def finish(self) -> str:
+        """Finish reason of the last turn."""
+        return self.replies[-1].finish if self.replies else ""
 
     # ------------------------------------------------------------ what environments call
 
@@ -122,15 +116,83 @@ class Episode:
         ids = self._encode(content) if isinstance(content, str) else [int(t) for t in content]
         self._add(ids, [0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
 
-    async def generate(self, max_new_tokens: int | None = None) -> str:
-        """One model turn from the context so far; returns its text (special tokens skipped)."""
-        if not self.tokens:
+    async def generate(self, max_new_tokens: int | None = None, stop: list[str] | None = None) -> str:
+        """One model turn from the context so far; returns its text (special tokens skipped, cut
+        before the first of the `stop` strings)."""
+        turn = await self._sample(self.tokens, self._budget(max_new_tokens, len(self.tokens)), stop)
+        self._commit(turn)
+        return turn.text
+
+    async def complete(self, messages: list[dict[str, Any]], max_new_tokens: int | None = None, tools: Any = None,
+                       n: int = 1, stop: list[str] | None = None, parse_tools: bool = True) -> list[Turn]:
+        """OpenAI-style turn: `messages` must repeat the previous ones and one of the previous
+        turn's replies unchanged, and add new ones; only the new part is tokenized (chat_delta).
+        Samples `n` replies to the same context; the first is in the context until a later turn
+        continues another one (an episode that ends after an n > 1 turn keeps the first). With
+        `tools` (and `parse_tools`), tool calls in the text are parsed (streamrl.core.chat)."""
+        if self._history is None and self.tokens:
+            raise EpisodeError("chat() continues a conversation started with chat(); this episode began with "
+                               "observe()/generate()")
+        if self._history is not None and tools != self._tools:
+            raise EpisodeError("the tools differ from the previous turn's: they are part of the context the model "
+                               "has seen, so a conversation keeps the same tools")
+        try:
+            delta, chosen = chat_delta(self.tokenizer, self._history,
+                                       [(t.tokens, t.message) for t in self._candidates], messages, tools)
+        except ConversationError as e:
+            raise EpisodeError(str(e)) from None
+        # Nothing changes until the replies exist: a refused or failed turn leaves the episode as it was.
+        kept = self.tokens[:self._turn_start] + self._candidates[chosen].tokens if chosen else self.tokens
+        delta_ids = self._encode(delta)
+        context = kept + delta_ids
+        budget = self._budget(max_new_tokens, len(context))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._sample(context, budget, stop)) for _ in range(n)]
+        except* EpisodeError as group:
+            raise group.exceptions[0] from None
+        turns = [t.result() for t in tasks]
+        if chosen:
+            self._replace_last(self._candidates[chosen])
+        self.observe(delta_ids)
+        names = [(f.get("function") or f).get("name") for f in tools or [] if isinstance(f, dict)]
+        for t in turns:
+            parsed = chat.parse_tool_calls(t.text, names) if tools and parse_tools else chat.ParsedReply(t.text)
+            t.content, t.tool_call_error = parsed.content, parsed.error
+            t.tool_calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                            for c in parsed.calls]
+        self._commit(turns[0])
+        self._candidates, self._history, self._tools = turns, [dict(m) for m in messages], tools
+        return turns
+
+    async def chat(self, messages: list[dict[str, Any]], max_new_tokens: int | None = None, tools: Any = None) -> str:
+        """`complete()` with one reply; returns its text."""
+        return (await self.complete(messages, max_new_tokens, tools))[0].text
+
+    def openai(self) -> Any:
+        """An `openai.AsyncOpenAI` client bound to this episode (needs the `openai` package)."""
+        if self.base_url is None:
+            raise EpisodeError("this episode has no OpenAI endpoint (the rollout worker starts one for env runs)")
+        try:
+            import openai
+        except ImportError:
+            raise EpisodeError("pip install openai (needed for llm.openai())") from None
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+
+    # ------------------------------------------------------------ internals
+
+    def _budget(self, max_new_tokens: int | None, context: int) -> int:
+        if not context:
             raise EpisodeError("the episode has no context yet: observe() the prompt first")
-        room = self.max_context - len(self.tokens)
+        room = self.max_context - context
         if room <= 0:
-            raise EpisodeError(f"the context has {len(self.tokens)} tokens, the model's limit is {self.max_context}")
-        budget = min(max_new_tokens or self.max_new_tokens, room)
-        t = partial.Trajectory(prompt=list(self.tokens), max_new_tokens=budget)
+            raise EpisodeError(f"the context has {context} tokens, the model's limit is {self.max_context}")
+        return min(max_new_tokens or self.max_new_tokens, room)
+
+    async def _sample(self, context: list[int], budget: int, stop: list[str] | None) -> Turn:
+        """One reply to `context`, across engine calls (partial rollouts, engine failures)."""
+        t = partial.Trajectory(prompt=list(context), max_new_tokens=budget)
         failures = 0
         while not t.done:
             try:
@@ -150,35 +212,30 @@ class Episode:
                 self.stats["interruptions"] += 1
         self.stats["calls"] += t.calls
         versions = [s.version for s in t.spans for _ in range(s.end - s.start)]
-        self._add(t.tokens, [1] * len(t.tokens), t.logprobs, versions)
-        self.reply_ids, self.finish = list(t.tokens), t.finish
-        text = self.tokenizer.decode(t.tokens, skip_special_tokens=True)
-        self.turns.append(text)
-        return text
+        tokens, logprobs, finish = list(t.tokens), list(t.logprobs), t.finish
+        cut = chat.stop_cut(pieces := chat.text_pieces(self._decode, tokens), stop) if stop else None
+        if cut is not None:  # the engine does not know the stop strings: the turn ends where one ends
+            keep, chars = cut
+            tokens, logprobs, versions, finish = tokens[:keep], logprobs[:keep], versions[:keep], "stop"
+            text = "".join(pieces)[:chars]
+        else:
+            text = self._decode(tokens)
+        return Turn(tokens, logprobs, versions, finish, text, content=text)
 
-    async def chat(self, messages: list[dict[str, Any]], max_new_tokens: int | None = None, tools: Any = None) -> str:
-        """OpenAI-style turn: `messages` must repeat the previous ones (and this episode's reply)
-        unchanged and add new ones; only the new part is tokenized (chat_delta)."""
-        if self._history is None and self.tokens:
-            raise EpisodeError("chat() continues a conversation started with chat(); this episode began with "
-                               "observe()/generate()")
-        delta = chat_delta(self.tokenizer, self._history, self.reply_ids, messages, tools)
-        self.observe(delta)
-        text = await self.generate(max_new_tokens)
-        self._history = [dict(m) for m in messages]
-        return text
+    def _commit(self, turn: Turn) -> None:
+        self._turn_start = len(self.tokens)
+        self._add(turn.tokens, [1] * len(turn.tokens), turn.logprobs, turn.versions)
+        self.replies.append(turn)
 
-    def openai(self) -> Any:
-        """An `openai.AsyncOpenAI` client bound to this episode (needs the `openai` package)."""
-        if self.base_url is None:
-            raise EpisodeError("this episode has no OpenAI endpoint (the rollout worker starts one for env runs)")
-        try:
-            import openai
-        except ImportError:
-            raise EpisodeError("pip install openai (needed for llm.openai())") from None
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+    def _replace_last(self, turn: Turn) -> None:
+        """The conversation went on from another of the last turn's n replies: it replaces the first."""
+        k = self._turn_start
+        del self.tokens[k:], self.mask[k:], self.logprobs[k:], self.versions[k:]
+        self.replies.pop()
+        self._commit(turn)
 
-    # ------------------------------------------------------------ internals
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -223,7 +280,44 @@ def to_samples(episodes: list[Episode]) -> tuple[list[int], list[Sample]]:
                               rollout_logprobs=np.asarray(ep.logprobs[cut:], np.float32),
                               loss_mask=np.asarray(ep.mask[cut:], np.uint8), spans=spans,
                               finish_reason=ep.finish or "stop",
-                              metadata={"turns": len(ep.turns), **ep.stats}))
+                              metadata={"turns": len(ep.replies), "tool_calls": sum(len(t.tool_calls) for t in ep.replies),
+                                        "malformed_tool_calls": sum(t.tool_call_error is not None for t in ep.replies),
+                                        **ep.stats}))
+    return prompt, samples
+
+
+def context_length(model_path: str) -> int:
+    """The longest context an episode of this model may build (its max_position_embeddings)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).max_position_embeddings)
+
+
+async def play_group(env: EnvHub, proxy: Any, episodes: list[Episode], task: dict[str, Any], rewards: Any,
+                     meta: dict[str, Any]) -> tuple[list[int], list[Sample]]:
+    """Run the environment once per episode (each served by the OpenAI `proxy` under its own key
+    while it runs) and return the group's (prompt tokens, samples), scored: an environment's number
+    or {"reward": ...} is the reward; a string is an answer and None means its last turn, both
+    scored by `rewards` (a RewardHub: reward.fn) against meta["label"]."""
+    keys = [proxy.open(ep) for ep in episodes] if proxy is not None else []
+    try:
+        outs = await asyncio.gather(*(env.run({**task, "sample": i}, ep) for i, ep in enumerate(episodes)))
+    finally:
+        for k in keys:
+            proxy.close_session(k)
+    prompt, samples = to_samples(episodes)
+    answers = {i: out if isinstance(out, str) else (episodes[i].turns[-1] if episodes[i].turns else "")
+               for i, (out, err) in enumerate(outs)
+               if err is None and not samples[i].failed and (out is None or isinstance(out, str))}
+    scored = dict(zip(answers, await rewards.score(meta.get("prompt"), meta.get("label"), list(answers.values()), meta)))
+    for i, (s, (out, err)) in enumerate(zip(samples, outs)):
+        if s.failed:
+            s.error = err or s.error  # the environment's own error says more than "no model turn"
+            continue
+        sc = scored.get(i) or (None if err else rewards.convert(out))
+        s.reward, s.rewards = (None, {}) if sc is None or sc.reward is None else (sc.reward, dict(sc.components))
+        s.error = err or (sc.error if sc else None)
+        s.failed = s.error is not None
     return prompt, samples
 
 

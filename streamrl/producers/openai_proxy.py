@@ -8,11 +8,27 @@ native `/generate` (exact token ids, log-probs and weight versions) and answers 
 format. So the pool stores exactly the tokens the model produced, never a re-tokenization of
 the text the agent sends back.
 
+What agent frameworks use, as OpenAI does it:
+- `tools`: the definitions reach the chat template; tool calls in the model's text (Qwen/Hermes
+  `<tool_call>{json}</tool_call>`) come back as `message.tool_calls` with `finish_reason:
+  "tool_calls"`, and the assistant message and `tool` results the agent sends next go back
+  through the template. Malformed tool-call text comes back as plain content, never an error,
+  with the reason in the choice's `streamrl.tool_call_error`. `tool_choice: "none"` turns parsing
+  off; other choices cannot force a call (the model is not constrained).
+- `stream: true`: server-sent `chat.completion.chunk`s (content, tool-call deltas, finish reason,
+  `stream_options.include_usage`), sent once the turn is generated: a turn may be interrupted by a
+  weight update and generated again (partial_rollout: restart), so nothing is sent that could be
+  taken back.
+- `stop`: the turn ends after the token that completes a stop string (kept: the model generated
+  it); the content ends before it.
+- `n`: n replies to the same context; the conversation continues from whichever the agent sends
+  back (the first when the episode ends there).
+- `logprobs: true`: the exact log-prob of every generated token.
+
 Sampling follows the recipe's rollout settings (temperature, top_p, top_k), whatever the agent
-asks: the learner's importance ratios assume the rollout's sampling distribution. `max_tokens`
-is honoured up to rollout.max_new_tokens. Not supported: streaming, n > 1, stop strings,
-function-call parsing (tool definitions reach the chat template; the reply comes back as text).
-Binds 127.0.0.1 only.
+asks (`temperature`, `seed`, ...): the learner's importance ratios assume the rollout's sampling
+distribution, and a fixed seed would make a group's samples identical. `max_tokens` is honoured
+up to rollout.max_new_tokens. Binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -26,9 +42,12 @@ import msgspec
 from aiohttp import web
 
 from streamrl.connectors.ports import listen_socket, port_of
-from streamrl.producers.episode import Episode, EpisodeError
+from streamrl.core import chat
+from streamrl.producers.episode import Episode, EpisodeError, Turn
 
 log = logging.getLogger("streamrl.producers.openai_proxy")
+
+MAX_N = 128  # OpenAI's limit on `n`
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -42,12 +61,47 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     logprobs: bool | None = None
     n: int | None = None
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _n(req: ChatRequest) -> int:
+    return 1 if req.n is None else req.n
+
+
+def _check(req: ChatRequest) -> str | None:
+    """Why the request cannot be served, or None."""
+    if not 1 <= _n(req) <= MAX_N:
+        return f"n is {req.n}; it must be between 1 and {MAX_N}"
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if not all(stops):
+        return f"stop is {req.stop!r}; stop strings must not be empty"
+    return chat.check_tools(req.tools) if req.tools is not None else None
+
+
+def completion(ep: Episode, req: ChatRequest, turns: list[Turn], context_added: int) -> dict[str, Any]:
+    """The chat.completion object OpenAI would return for `turns` (the episode's n replies)."""
+    prompt_tokens = len(ep.tokens) - len(ep.replies[-1].tokens)
+    choices = []
+    for i, t in enumerate(turns):
+        lps = None
+        if req.logprobs:
+            lps = {"content": [{"token": ep.tokenizer.decode([tok]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                               for tok, lp in zip(t.tokens, t.logprobs)], "refusal": None}
+        choices.append({"index": i, "message": t.message, "logprobs": lps, "finish_reason": t.finish_reason,
+                        "streamrl": {"tool_call_error": t.tool_call_error}})
+    completion_tokens = sum(len(t.tokens) for t in turns)
+    return {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
+            "model": req.model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "streamrl": {"context_tokens_added": context_added}}
 
 
 class OpenAIProxy:
@@ -95,7 +149,7 @@ class OpenAIProxy:
         return web.json_response({"object": "list", "data": [{"id": "streamrl", "object": "model",
                                                                "owned_by": "streamrl"}]})
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         ep = self._episode(request)
         if ep is None:
             return _error(401, "unknown API key: use the key the environment was given (llm.api_key); the key "
@@ -104,26 +158,25 @@ class OpenAIProxy:
             req = msgspec.json.decode(await request.read(), type=ChatRequest)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return _error(400, f"bad chat-completions request: {e}")
-        unsupported = [name for name, bad in (("stream", req.stream), ("n > 1", (req.n or 1) != 1),
-                                              ("stop", req.stop)) if bad]
-        if unsupported:
-            return _error(400, f"not supported by the StreamRL proxy: {', '.join(unsupported)}")
+        if (why := _check(req)) is not None:
+            return _error(400, why)
         before = len(ep.tokens)
         try:
-            text = await ep.chat(req.messages, req.max_completion_tokens or req.max_tokens, req.tools)
+            turns = await ep.complete(req.messages, req.max_completion_tokens or req.max_tokens, req.tools,
+                                      n=_n(req), stop=[req.stop] if isinstance(req.stop, str) else req.stop,
+                                      parse_tools=req.tool_choice != "none")
         except EpisodeError as e:
             return _error(400, str(e))
-        n_reply = len(ep.reply_ids)
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": "length" if ep.finish == "length" else "stop"}
-        if req.logprobs:
-            ids, lps = ep.tokens[-n_reply:], ep.logprobs[-n_reply:]
-            choice["logprobs"] = {"content": [{"token": ep.tokenizer.decode([t]), "logprob": lp, "bytes": None,
-                                               "top_logprobs": []} for t, lp in zip(ids, lps)]}
-        return web.json_response({
-            "id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
-            "model": req.model, "choices": [choice],
-            "usage": {"prompt_tokens": len(ep.tokens) - n_reply, "completion_tokens": n_reply,
-                      "total_tokens": len(ep.tokens)},
-            "streamrl": {"context_tokens_added": len(ep.tokens) - before - n_reply},
-        })
+        body = completion(ep, req, turns, len(ep.tokens) - before - len(ep.replies[-1].tokens))
+        if not req.stream:
+            return web.json_response(body)
+        decode = lambda ids: ep.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        chunks = chat.completion_chunks(body, [chat.text_pieces(decode, t.tokens) for t in turns],
+                                        include_usage=bool((req.stream_options or {}).get("include_usage")))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for c in chunks:
+            await resp.write(b"data: " + msgspec.json.encode(c) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

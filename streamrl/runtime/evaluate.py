@@ -2,7 +2,9 @@
 
 Accuracy is the mean reward of `k` sampled responses per prompt at the rollout temperature
 (pass@1 averaged over k, the figure RL moves first), reported with the greedy accuracy; with a
-0/1 reward such as exact match both are fractions of correct answers.
+0/1 reward such as exact match both are fractions of correct answers. A recipe with an `env`
+(agent environments) is evaluated on its task: the environment runs on each held-out prompt and
+its reward is the score.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRec
     hub = RewardHub(recipe.reward.fn, recipe.reward.args)
     sem = asyncio.Semaphore(concurrency)
     versions: set[str] = set()
+    if recipe.env is not None:
+        return await _evaluate_env(client, tokenizer, records, recipe, hub, sem)
 
     async def one(rec: PromptRecord) -> tuple[float, float]:
         ids = encode_prompt(tokenizer, rec.prompt)
@@ -49,6 +53,46 @@ async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRec
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(one(r) for r in records))
+    n = max(1, len(res))
+    return {"accuracy": sum(a for a, _ in res) / n, "greedy_accuracy": sum(g for _, g in res) / n,
+            "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),
+            "eval_s": time.perf_counter() - t0}
+
+
+async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[PromptRecord], recipe: Recipe,
+                        hub: RewardHub, sem: asyncio.Semaphore) -> dict[str, Any]:
+    """With a recipe `env`, the task is the environment's: each held-out prompt runs `k` sampled
+    episodes and a greedy one (agents reach them through an OpenAI proxy, as in training); the
+    accuracy is their mean reward (a failed episode scores 0)."""
+    from streamrl.producers import episode as agent
+    from streamrl.producers.openai_proxy import OpenAIProxy
+
+    ro, k, env = recipe.rollout, recipe.data.eval_samples, agent.EnvHub(recipe.env.fn, recipe.env.args)
+    max_context = agent.context_length(recipe.model.path)
+    sampled = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
+    versions: set[str] = set()
+    proxy = OpenAIProxy()
+    await proxy.start()
+
+    async def group(rec: PromptRecord, n: int, sampling: dict[str, Any]) -> list[float]:
+        eps = [agent.Episode(client, tokenizer, sampling=sampling, max_new_tokens=ro.max_new_tokens,
+                             max_context=max_context, policy=recipe.staleness.partial_rollout) for _ in range(n)]
+        task = {"prompt": rec.prompt, "label": rec.label, "id": rec.prompt_id, "record": rec.record}
+        _, samples = await agent.play_group(env, proxy, eps, task, hub,
+                                            {**rec.record, "prompt": rec.prompt, "label": rec.label})
+        versions.update(str(v) for ep in eps for v in ep.versions if v >= 0)
+        return [0.0 if s.failed or s.reward is None else s.reward for s in samples]
+
+    async def one(rec: PromptRecord) -> tuple[float, float]:
+        async with sem:
+            many, greedy = await asyncio.gather(group(rec, k, sampled), group(rec, 1, {"temperature": 0.0}))
+        return sum(many) / k, greedy[0]
+
+    t0 = time.perf_counter()
+    try:
+        res = await asyncio.gather(*(one(r) for r in records))
+    finally:
+        await proxy.close()
     n = max(1, len(res))
     return {"accuracy": sum(a for a, _ in res) / n, "greedy_accuracy": sum(g for _, g in res) / n,
             "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),

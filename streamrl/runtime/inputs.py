@@ -46,7 +46,8 @@ def prepare_inputs(r: Recipe, log: RunLog) -> None:
 
 
 def sft_rows(r: Recipe, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + eos) for the SFT warm-start; prompts encoded as rollouts encode them."""
+    """(prompt ids, response ids + eos) for the SFT warm-start; prompts encoded as rollouts encode them,
+    with the row's `tools` (OpenAI's fine-tuning format) when it has them."""
     from streamrl.plugins.data import PromptSource
     from streamrl.runtime.rollout import encode_prompt
 
@@ -56,7 +57,7 @@ def sft_rows(r: Recipe, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     rows = []
     while (rec := src.next()) is not None:
         resp = list(tokenizer(str(rec.label), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-        rows.append((encode_prompt(tokenizer, rec.prompt), resp))
+        rows.append((encode_prompt(tokenizer, rec.prompt, rec.record.get("tools")), resp))
     return rows
 
 

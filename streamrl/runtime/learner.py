@@ -162,15 +162,16 @@ class LearnerDriver(WeightSource):
     # ------------------------------------------------------------ SFT warm-start
 
     def sft(self, rows: list[tuple[list[int], list[int]]], steps: int, lr: float, batch_size: int,
-            seed: int = 0) -> list[float]:
-        """Cross-entropy steps on (prompt, response) rows; afterwards the RL optimizer starts
-        fresh at version 0 and the reference model (for KL) is the warm-started policy."""
+            seed: int = 0, schedule: str = "constant") -> list[float]:
+        """Cross-entropy steps on (prompt, response) rows at `lr` (`cosine`: falling to lr/10);
+        afterwards the RL optimizer starts fresh at version 0 and the reference model (for KL) is
+        the warm-started policy."""
         rl_lr = self.learner.opt.param_groups[0]["lr"]
-        for g in self.learner.opt.param_groups:
-            g["lr"] = lr
         rng = np.random.default_rng(seed)
         losses = []
-        for _ in range(steps):
+        for step in range(steps):
+            for g in self.learner.opt.param_groups:
+                g["lr"] = lr if schedule == "constant" else lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
             idx = rng.choice(len(rows), size=min(batch_size, len(rows)), replace=False)
             losses.append(self.learner.sft_step([rows[i] for i in idx])["loss"])
         self.learner.opt = torch.optim.AdamW(self.learner.params, lr=rl_lr, weight_decay=0.0)

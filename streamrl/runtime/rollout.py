@@ -39,11 +39,11 @@ from streamrl.runtime.runlog import RunLog, now_ns
 log = logging.getLogger("streamrl.runtime.rollout")
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> list[int]:
-    """Chat messages go through the tokenizer's chat template; text is tokenized as is."""
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Chat messages (and tool definitions) go through the tokenizer's chat template; text is tokenized as is."""
     if isinstance(prompt, list):
         return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+                                                  return_dict=False, **({"tools": tools} if tools else {})))
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
@@ -75,9 +75,7 @@ class RolloutWorker:
         self.env = agent.EnvHub(recipe.env.fn, recipe.env.args) if recipe.env else None
         self.proxy: Any = None  # the OpenAI-compatible endpoint env episodes get (started by _resume)
         if self.env is not None:
-            from transformers import AutoConfig
-
-            self.max_context = int(AutoConfig.from_pretrained(recipe.model.path).max_position_embeddings)
+            self.max_context = agent.context_length(recipe.model.path)
         self.filters = FilterHub(recipe.filters)
         ro = recipe.rollout
         self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
@@ -254,40 +252,15 @@ class RolloutWorker:
             eps = [agent.Episode(self.client, self.tokenizer, sampling=self.sampling,
                                  max_new_tokens=self.r.rollout.max_new_tokens, max_context=self.max_context,
                                  policy=self.policy, retries=partial.ENGINE_RETRIES) for _ in range(self.r.rollout.n_samples)]
-            keys = [self.proxy.open(ep) for ep in eps]
-            try:
-                outs = await asyncio.gather(*(self.env.run({**task, "sample": i}, ep) for i, ep in enumerate(eps)))
-            finally:
-                for k in keys:
-                    self.proxy.close_session(k)
+            prompt, samples = await agent.play_group(self.env, self.proxy, eps, task, self.rewards, meta)
             for ep in eps:
                 self.stats["gen_tokens"] += ep.stats["gen_tokens"]
                 self.stats["interrupted_calls"] += ep.stats["interruptions"]
                 self.stats["engine_errors"] += ep.stats["engine_errors"]
-            prompt, samples = agent.to_samples(eps)
-            await self._score_episodes(meta, samples, outs, eps)
+            self.stats["failed_samples"] += sum(s.failed for s in samples)
             await self._store(self._group(gid, prompt_id, prompt, samples, meta))
         except Exception as e:  # noqa: BLE001 - one broken group must not stop the worker
             self._group_error(gid, e)
-
-    async def _score_episodes(self, meta: dict[str, Any], samples: list[Any], outs: list[tuple[Any, str | None]],
-                              eps: list[agent.Episode]) -> None:
-        """An environment's number or {"reward": ...} is the reward; a string is an answer and
-        None means its last turn: both are scored by reward.fn against the label."""
-        answers = {i: out if isinstance(out, str) else (eps[i].turns[-1] if eps[i].turns else "")
-                   for i, (out, err) in enumerate(outs)
-                   if err is None and not samples[i].failed and (out is None or isinstance(out, str))}
-        scored = dict(zip(answers, await self.rewards.score(meta.get("prompt"), meta.get("label"),
-                                                            list(answers.values()), meta)))
-        for i, (s, (out, err)) in enumerate(zip(samples, outs)):
-            if s.failed:
-                s.error = err or s.error  # the environment's own error says more than "no model turn"
-                continue
-            sc = scored.get(i) or (None if err else self.rewards.convert(out))
-            s.reward, s.rewards = (None, {}) if sc is None or sc.reward is None else (sc.reward, dict(sc.components))
-            s.error = err or (sc.error if sc else None)
-            s.failed = s.error is not None
-        self.stats["failed_samples"] += sum(s.failed for s in samples)
 
     async def _store(self, group: SampleGroup) -> None:
         await self.pool.append_async([group])

@@ -185,7 +185,7 @@ class Services:
         assert s is not None
         rows = sft_rows(self.r, self.tokenizer)
         t0 = time.perf_counter()
-        losses = await self.learner.sft.remote(rows, s.steps, s.lr, s.batch_size, self.r.run.seed)
+        losses = await self.learner.sft.remote(rows, s.steps, s.lr, s.batch_size, self.r.run.seed, s.lr_schedule)
         self.log.info(f"SFT warm-start: {s.steps} steps on {len(rows)} rows, loss {losses[0]:.3f} -> "
                       f"{losses[-1]:.3f} in {time.perf_counter() - t0:.0f}s")
 
