@@ -122,7 +122,6 @@ def main() -> None:
     ap.add_argument("--out-dir", default="runs/off_policy", help="off_policy.json and off_policy.png go here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every run")
     a = ap.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     names = [c for c in a.corrections.split(",") if c]
     bad = [c for c in names if c not in OPTIONS]
     if bad or not names:

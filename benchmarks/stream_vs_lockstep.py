@@ -46,7 +46,6 @@ def warm_start(recipe: Any, out: Path) -> Path:
 
     from streamrl.runtime.inputs import sft_rows
     from streamrl.runtime.learner import LearnerDriver
-    from streamrl.runtime.runlog import RunLog
 
     tok = AutoTokenizer.from_pretrained(recipe.model.path)
     drv = LearnerDriver(recipe, recipe.model.path, pool=False)

@@ -158,6 +158,6 @@ class VersionBroadcaster:
         path = str(self.weights_dir / f"v{self.version:06d}")
         if not Path(path, "config.json").exists():
             await self.learner.export.remote(path)
-        async with SGLangClient(url) as c:
+        async with SGLangClient(url, keys=self.router.keys) as c:
             await c.update_weights_from_disk(path, weight_version=self.version)
         self._group_urls = ()  # the weight group must include the new engine
