@@ -42,7 +42,7 @@ class Keys(msgspec.Struct, frozen=True):
 
     @staticmethod
     def new() -> Keys:
-        return Keys(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+        return Keys(secrets.token_hex(32), secrets.token_hex(32))
 
     @staticmethod
     def from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> Keys:

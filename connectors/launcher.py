@@ -29,7 +29,7 @@ import ray
 
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.engine_actor import BACKENDS, EngineActor
-from streamrl.connectors.ports import LOOPBACK
+from streamrl.connectors.ports import LOOPBACK, listen_socket, port_of
 from streamrl.connectors.router import Router
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,9 @@ def ensure_ray(num_cpus: int = 4, object_store_memory: int = 200 * 1024**2, addr
 
     A local instance is locked down (`local_ray_env`): Ray's token authentication with a fresh
     token of its own (Ray's gRPC servers listen on every interface and cannot be told otherwise,
-    so nobody without the token may talk to them), its node address and agents on 127.0.0.1,
-    no Prometheus exporter, and gloo on the loopback interface. Joining a cluster uses that
+    so nobody without the token may talk to them), its Prometheus exporters kept off (metrics
+    collection off; the two fixed-port ones by holding their ports, `_hold_ray_metric_ports`),
+    and gloo on the loopback interface. Joining a cluster uses that
     cluster's own authentication (RAY_AUTH_MODE / RAY_AUTH_TOKEN or ~/.ray/auth_token)."""
     if ray.is_initialized():
         return
@@ -60,7 +61,7 @@ def ensure_ray(num_cpus: int = 4, object_store_memory: int = 200 * 1024**2, addr
 
         Config.initialize("")  # Ray read RAY_AUTH_MODE when it was imported: let it see token mode
         AuthenticationTokenLoader.instance().reset_cache()  # and the new token, if it started before
-        kwargs.setdefault("_node_ip_address", LOOPBACK)
+        _hold_ray_metric_ports()
     host, _, port = (address or "").rpartition(":")
     if host and port.isdigit() and "://" not in address:  # Ray would retry a dead GCS address for minutes
         try:
@@ -78,6 +79,22 @@ def ensure_ray(num_cpus: int = 4, object_store_memory: int = 200 * 1024**2, addr
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         where = f"join the Ray cluster at {address!r}" if address else "start a local Ray instance"
         raise RayUnavailable(f"could not {where}: {type(e).__name__}: {first}") from e
+
+
+_held_ports: list[socket.socket] = []
+
+
+def _hold_ray_metric_ports() -> None:
+    """Ray's autoscaler monitor and dashboard start Prometheus exporters on every interface at
+    fixed ports (AUTOSCALER_METRIC_PORT 44217, DASHBOARD_METRIC_PORT 44227), with no option to
+    bind loopback or turn them off; when the port is taken they log it and go on without one. So
+    the run takes two ports on 127.0.0.1 first, points Ray at them and holds them while it lives:
+    nothing unauthenticated of Ray's listens beyond loopback. (Ray also rewrites a node address of
+    127.0.0.1 to the machine's routable one, so `_node_ip_address` cannot do this.)"""
+    if not _held_ports:
+        _held_ports.extend(listen_socket(LOOPBACK, 0, backlog=1) for _ in range(2))
+    os.environ["AUTOSCALER_METRIC_PORT"] = str(port_of(_held_ports[0]))
+    os.environ["DASHBOARD_METRIC_PORT"] = str(port_of(_held_ports[1]))
 
 
 def local_ray_env() -> dict[str, str]:

@@ -48,7 +48,7 @@ _LAUNCH = """import os, runpy, sys
 args = sys.argv[1:]
 api, admin = os.environ.pop("%s", ""), os.environ.pop("%s", "")
 if api:
-    args += ["--api-key", api]
+    args += ["--api-key=" + api]  # a key may begin with "-"
 if admin:
     args += ["--control-plane-api-keys", "streamrl:driver:admin:" + admin]
 sys.argv = ["sglang_router.launch_router", *args]

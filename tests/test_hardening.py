@@ -149,16 +149,18 @@ def test_one_requests_sampling_error_fails_that_request_only(model_dirs):
     assert done["good"].error is None and len(done["good"].output_ids) == 5
 
 
-def test_router_wants_the_keys_and_never_shows_them(tmp_path):
+@pytest.mark.parametrize("keys", [KEYS, Keys("-starts-like-an-option", "-admin"), Keys.new()],
+                         ids=["plain", "leading-dash", "fresh"])
+def test_router_wants_the_keys_and_never_shows_them(tmp_path, keys):
     from streamrl.connectors.router import Router
 
-    router = Router(keys=KEYS, log_dir=tmp_path).start()
+    router = Router(keys=keys, log_dir=tmp_path).start()
     try:
         cmdline = Path(f"/proc/{router.proc.pid}/cmdline").read_bytes().decode(errors="replace")
-        assert KEYS.api not in cmdline and KEYS.admin not in cmdline  # `ps` shows command lines to everyone
+        assert keys.api not in cmdline and keys.admin not in cmdline  # `ps` shows command lines to everyone
         assert _call(router.url, "/generate", {"input_ids": [1]})[0] == 401
-        assert _call(router.url, "/workers", key=KEYS.api)[0] == 401  # the control plane wants the admin key
-        assert _call(router.url, "/workers", key=KEYS.admin)[0] == 200
+        assert _call(router.url, "/workers", key=keys.api)[0] == 401  # the control plane wants the admin key
+        assert _call(router.url, "/workers", key=keys.admin)[0] == 200
         assert asyncio.run(_list(router)) == []
     finally:
         router.stop()
