@@ -99,6 +99,7 @@ class EngineServer:
         self.model_path = model_dir
         self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
         self._groups: list[Any] = []  # weight-update groups, one per TP rank (rank_offset + tp_rank)
+        self._session = False  # SGLang's weight-update session (/begin_weight_update .. /end_weight_update)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self._recv_bufs = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(tp)]
         self.app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._guard, self._errors])
@@ -113,6 +114,8 @@ class EngineServer:
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
@@ -361,8 +364,33 @@ class EngineServer:
             return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await _decode(request, api.BeginWeightUpdateReq)
+        if self._session:
+            return web.json_response({"success": False, "message": "a weight-update session is already open; "
+                                      "call end_weight_update() first"}, status=400)
+        self._session = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _decode(request, api.EndWeightUpdateReq)
+        if not self._session:
+            return web.json_response({"success": False, "message": "no weight-update session is open; "
+                                      "call begin_weight_update() first"}, status=400)
+        self._session = False
+        return web.json_response({"success": True, "message": "Success"})
+
+    def _no_session(self, what: str) -> web.Response | None:
+        """SGLang 0.5.23 takes tensor and distributed updates only inside a session (scheduler_components/weight_updater.py)."""
+        if self._session:
+            return None
+        return web.json_response({"success": False, "message": f"{what} must run between begin_weight_update() "
+                                  "and end_weight_update()"}, status=400)
+
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         req: api.UpdateFromDistributedReq = await _decode(request, api.UpdateFromDistributedReq)
+        if refused := self._no_session("update_weights_from_distributed"):
+            return refused
         if not self._groups:
             raise HTTPError(400, "call /init_weights_update_group first")
         if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
@@ -382,6 +410,8 @@ class EngineServer:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         req: api.UpdateFromTensorReq = await _decode(request, api.UpdateFromTensorReq)
+        if refused := self._no_session("update_weights_from_tensor"):
+            return refused
         if req.load_format != TENSOR_FORMAT:
             raise HTTPError(400, f"load_format {req.load_format!r} is refused: SGLang's entries are pickled "
                                  "tensors and this engine never unpickles what comes over the network; send "

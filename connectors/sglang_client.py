@@ -8,7 +8,8 @@ only (a request that reached the server is never sent twice by us).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -187,6 +188,24 @@ class SGLangClient:
         return await self.json("POST", "/init_weights_update_group", api.InitGroupReq(
             master_address=master_address, master_port=master_port, rank_offset=rank_offset,
             world_size=world_size, group_name=group_name, backend=backend))
+
+    async def begin_weight_update(self) -> Any:
+        """Open SGLang's weight-update session: /update_weights_from_distributed and
+        /update_weights_from_tensor are refused (400) outside one (sglang 0.5.23)."""
+        return await self.json("POST", "/begin_weight_update", api.BeginWeightUpdateReq())
+
+    async def end_weight_update(self) -> Any:
+        return await self.json("POST", "/end_weight_update", api.EndWeightUpdateReq())
+
+    @contextlib.asynccontextmanager
+    async def weight_update(self) -> AsyncIterator[None]:
+        """begin_weight_update ... end_weight_update, closed also when the updates inside fail
+        (an open session makes the next begin fail)."""
+        await self.begin_weight_update()
+        try:
+            yield
+        finally:
+            await self.end_weight_update()
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               weight_version: str | int | None = None,

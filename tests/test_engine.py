@@ -268,6 +268,7 @@ def test_update_weights_from_distributed(engine, ref0, ref1):
                     "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                     "group_name": "wu-test", "backend": "gloo"}))
             assert st == 200 and out["success"] is True, out
+            assert (await post_json(s, engine.url + "/begin_weight_update", {}))[0] == 200
             _, (st, out) = await asyncio.gather(
                 asyncio.to_thread(broadcast, group, [state[k] for k in names]),
                 post_json(s, engine.url + "/update_weights_from_distributed", {
@@ -275,6 +276,7 @@ def test_update_weights_from_distributed(engine, ref0, ref1):
                     "shapes": [list(state[k].shape) for k in names], "group_name": "wu-test",
                     "weight_version": "7"}))
             assert st == 200 and out["success"] is True, out
+            assert (await post_json(s, engine.url + "/end_weight_update", {}))[0] == 200
             v = await _version(s, engine.url)
             after = await _greedy(c, prompts, n)
             del group
@@ -313,14 +315,18 @@ def test_update_weights_from_distributed_bucketed(engine, ref0, ref1):
             group, _ = await asyncio.gather(
                 asyncio.to_thread(create_group, store, 2, "wu-bucket", "gloo", 60),
                 c.init_weights_update_group("127.0.0.1", port, 1, 2, "wu-bucket", "gloo"))
-            with pytest.raises(EngineError) as bad:
-                await c.update_weights_from_distributed(names, ["float8"] + dtypes[1:], shapes, 9, "wu-bucket",
-                                                        load_format=BUCKET_FORMAT)
-            still = await _greedy(c, prompts[:1], n)
-            v_bad = await c.weight_version()
-            _, out = await asyncio.gather(
-                asyncio.to_thread(broadcast, group, list(state.values()), True),
-                c.update_weights_from_distributed(names, dtypes, shapes, 7, "wu-bucket", load_format=BUCKET_FORMAT))
+            with pytest.raises(EngineError) as outside:  # SGLang takes it only inside a weight-update session
+                await c.update_weights_from_distributed(names, dtypes, shapes, 9, "wu-bucket", load_format=BUCKET_FORMAT)
+            async with c.weight_update():
+                with pytest.raises(EngineError) as bad:
+                    await c.update_weights_from_distributed(names, ["float8"] + dtypes[1:], shapes, 9, "wu-bucket",
+                                                            load_format=BUCKET_FORMAT)
+                still = await _greedy(c, prompts[:1], n)
+                v_bad = await c.weight_version()
+                _, out = await asyncio.gather(
+                    asyncio.to_thread(broadcast, group, list(state.values()), True),
+                    c.update_weights_from_distributed(names, dtypes, shapes, 7, "wu-bucket", load_format=BUCKET_FORMAT))
+            assert outside.value.status == 400 and "must run between begin_weight_update()" in outside.value.message
             return bad.value, still, v_bad, out, await c.weight_version(), await _greedy(c, prompts, n)
 
     bad, still, v_bad, out, v, after = asyncio.run(main())
@@ -355,9 +361,10 @@ def test_tp2_engine_joins_both_ranks(model_dirs, ref1, tmp_path):
             group, joined = await asyncio.gather(
                 asyncio.to_thread(create_group, store, g.world_size, "wu-tp2", "gloo", 60),
                 c.init_weights_update_group("127.0.0.1", store.port, g.rank_offsets[0], g.world_size, "wu-tp2"))
-            _, out = await asyncio.gather(
-                asyncio.to_thread(broadcast, group, list(state.values()), True),
-                c.update_weights_from_distributed(names, dtypes, shapes, 3, "wu-tp2", load_format=BUCKET_FORMAT))
+            async with c.weight_update():
+                _, out = await asyncio.gather(
+                    asyncio.to_thread(broadcast, group, list(state.values()), True),
+                    c.update_weights_from_distributed(names, dtypes, shapes, 3, "wu-tp2", load_format=BUCKET_FORMAT))
             return info, joined, out, await c.weight_version(), await _greedy(c, prompts, n)
 
     try:
@@ -391,6 +398,10 @@ def test_update_weights_from_tensor(engine, ref0, ref1):
 
     async def main():
         async with SGLangClient(engine.url) as c, aiohttp.ClientSession() as s:
+            outside = await post_json(s, engine.url + "/update_weights_from_tensor",
+                                      {"serialized_named_tensors": [], "load_format": "safetensors"})
+            sessions = [(await post_json(s, engine.url + p, {}))[0] for p in
+                        ("/end_weight_update", "/begin_weight_update", "/begin_weight_update")]
             refused = [await post_json(s, engine.url + "/update_weights_from_tensor",
                                        {"serialized_named_tensors": [pickled], "weight_version": "9",
                                         **({"load_format": f} if f else {})})
@@ -400,9 +411,14 @@ def test_update_weights_from_tensor(engine, ref0, ref1):
             still = await _greedy(c, prompts[:1], n)
             v_refused = await c.weight_version()
             ok = await c.update_weights_from_tensor(_learner_state(ref1), weight_version=5)
-            return refused, garbage, still, v_refused, ok, await c.weight_version(), await _greedy(c, prompts, n)
+            sessions.append((await post_json(s, engine.url + "/end_weight_update", {}))[0])
+            return (outside, sessions, refused, garbage, still, v_refused, ok, await c.weight_version(),
+                    await _greedy(c, prompts, n))
 
-    refused, garbage, still, v_refused, ok, v, after = asyncio.run(main())
+    outside, sessions, refused, garbage, still, v_refused, ok, v, after = asyncio.run(main())
+    assert outside == (400, {"success": False, "message": "update_weights_from_tensor must run between "
+                             "begin_weight_update() and end_weight_update()"})
+    assert sessions == [400, 200, 400, 200]  # end without begin, begin, begin again while open, end
     for st, out in refused:
         msg = out["error"]["message"]
         assert st == 400 and "refused" in msg and "unpickle" in msg and "'safetensors'" in msg, out
@@ -800,6 +816,8 @@ def test_client_requests_match_sglang_schema(sgl):
             await c.update_weight_version(4)
             await c.init_weights_update_group("127.0.0.1", 1234, 1, 2)
             await c.update_weights_from_distributed(["w"], ["float32"], [[2, 3]], 5)
+            await c.begin_weight_update()
+            await c.end_weight_update()
 
     asyncio.run(main())
     gens = [b for p, b in seen if p == "/generate"]
@@ -823,7 +841,8 @@ def test_client_requests_match_sglang_schema(sgl):
               "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
               "/update_weight_version": "UpdateWeightVersionReqInput",
               "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
-              "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput"}
+              "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+              "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput"}
     for path, cls in expect.items():
         bodies = [b for p, b in seen if p == path]
         assert len(bodies) == 1, path
@@ -837,11 +856,8 @@ def test_client_requests_match_sglang_schema(sgl):
     assert by_path["/pause_generation"] == {"mode": "retract"}
 
 
-def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
-    """The bodies of update_weights_from_tensor and a bucketed update_weights_from_distributed use
-    only fields of SGLang's request types (the values differ by design: no pickle)."""
-    import torch
-
+def _bodies(calls) -> list[tuple[str, dict]]:
+    """(path, JSON body) of each request `await calls(client)` sends, to a server that answers success."""
     seen: list[tuple[str, dict]] = []
 
     async def handler(request: web.Request) -> web.Response:
@@ -850,10 +866,22 @@ def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
 
     async def main():
         async with _recording_server(handler) as url, SGLangClient(url) as c:
-            await c.update_weights_from_tensor({"w": torch.ones(2)}, weight_version=3)
-            await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, load_format="flattened_bucket")
+            await calls(c)
 
     asyncio.run(main())
+    return seen
+
+
+def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
+    """The bodies of update_weights_from_tensor and a bucketed update_weights_from_distributed use
+    only fields of SGLang's request types (the values differ by design: no pickle)."""
+    import torch
+
+    async def calls(c: SGLangClient) -> None:
+        await c.update_weights_from_tensor({"w": torch.ones(2)}, weight_version=3)
+        await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, load_format="flattened_bucket")
+
+    seen = _bodies(calls)
     fields = _io_struct_fields()
     by_path = dict(seen)
     tensor, dist = by_path["/update_weights_from_tensor"], by_path["/update_weights_from_distributed"]
@@ -904,25 +932,29 @@ def test_weight_update_rules_match_sglang(sgl):
         _function(_wheel_source("managers/scheduler.py"), "flush_cache"))
     # ... and the HTTP server answers a failed update 400
     http = _wheel_source("entrypoints/http_server.py")
-    for name in ("update_weights_from_distributed", "update_weights_from_disk"):
+    for name in ("update_weights_from_distributed", "update_weights_from_disk", "begin_weight_update"):
         assert "HTTPStatus.BAD_REQUEST" in ast.unparse(_function(http, name)), name
+
+    # Distributed and tensor updates only inside /begin_weight_update .. /end_weight_update
+    # (VersionBroadcaster opens one per push; the embedded engine refuses them outside one)
+    updater = _wheel_source("managers/scheduler_components/weight_updater.py")
+    for name in ("update_weights_from_distributed", "update_weights_from_tensor"):
+        body = ast.unparse(_function(updater, name))
+        assert "if self._session is None" in body and \
+            f"{name} must run between begin_weight_update() and end_weight_update()" in body, name
+    assert "update_weights_from_disk must run" not in updater  # disk needs no session
+    for path in ("/begin_weight_update", "/end_weight_update"):
+        assert f'@app.post("{path}")' in http
 
 
 def test_client_sends_flush_cache_false(sgl):
     """flush_cache: false reaches SGLang's request fields when asked (VersionBroadcaster asks under in_place)."""
-    seen: list[tuple[str, dict]] = []
+    async def calls(c: SGLangClient) -> None:
+        await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, flush_cache=False)
+        await c.update_weights_from_disk("/m", 4, flush_cache=False)
+        await c.update_weights_from_disk("/m", 5)
 
-    async def handler(request: web.Request) -> web.Response:
-        seen.append((request.path, json.loads(await request.read())))
-        return web.json_response({"success": True, "message": ""})
-
-    async def main():
-        async with _recording_server(handler) as url, SGLangClient(url) as c:
-            await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, flush_cache=False)
-            await c.update_weights_from_disk("/m", 4, flush_cache=False)
-            await c.update_weights_from_disk("/m", 5)
-
-    asyncio.run(main())
+    seen = _bodies(calls)
     fields = _io_struct_fields()
     assert [(p, b.get("flush_cache")) for p, b in seen] == [
         ("/update_weights_from_distributed", False), ("/update_weights_from_disk", False),

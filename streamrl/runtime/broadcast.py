@@ -86,11 +86,12 @@ class VersionBroadcaster:
         parts = plan_buckets(dtypes, shapes) if self.bucketed else [range(len(names))]
 
         async def engine(c: Any) -> None:
-            for k, b in enumerate(parts):
-                await c.update_weights_from_distributed(
-                    names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop],
-                    weight_version=version if k == len(parts) - 1 else None, group_name=self._group_name,
-                    load_format=BUCKET_FORMAT if self.bucketed else None, flush_cache=flush)
+            async with c.weight_update():  # SGLang takes distributed updates only inside a session
+                for k, b in enumerate(parts):
+                    await c.update_weights_from_distributed(
+                        names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop],
+                        weight_version=version if k == len(parts) - 1 else None, group_name=self._group_name,
+                        load_format=BUCKET_FORMAT if self.bucketed else None, flush_cache=flush)
 
         await asyncio.gather(self.learner.push_weights.remote(self.bucketed),
                              *(engine(c) for c in self.router.workers.values()))
