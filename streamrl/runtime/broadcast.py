@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.connectors.router import Router
-from streamrl.core.weight_group import weight_group
 from streamrl.core.types import EnginePaused, EngineResumed, VersionPublished
+from streamrl.core.weight_group import weight_group
 from streamrl.runtime import faultpoint
 from streamrl.runtime.runlog import RunLog, now_ns
 
