@@ -235,8 +235,12 @@ class Bench:
         from safetensors.torch import save
 
         blob = save(states[k])
-        await asyncio.gather(*(c.update_weights_from_tensor([blob], weight_version=self.version)
-                               for c in workers.values()))
+
+        async def one(c: Any) -> None:  # inside SGLang's session; in_place keeps requests, so no flush
+            async with c.weight_update():
+                await c.update_weights_from_tensor([blob], weight_version=self.version, flush_cache=not interrupt)
+
+        await asyncio.gather(*(one(c) for c in workers.values()))
         push_s = time.perf_counter() - t_push
         if interrupt:
             await asyncio.gather(*(c.resume() for c in workers.values()))

@@ -30,6 +30,7 @@ ADMIN_PATHS = frozenset({
     "/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weight_version",
     "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/abort_request",
     "/pause_generation", "/continue_generation", "/set_internal_state", "/configure_logging",
+    "/begin_weight_update", "/end_weight_update",
 })
 ROUTER_ADMIN_PREFIX = "/workers"  # the sglang-router's control plane (its --control-plane-api-keys)
 

@@ -7,7 +7,8 @@
   --weight-version V --tp-size N [extra args]` (run through `runpy` under the same shim),
   started again on another port if P was taken before SGLang bound it.
 
-Both speak the same HTTP API. Every engine binds 127.0.0.1; its stdout/stderr go to
+Both speak the same HTTP API. Every engine binds 127.0.0.1 unless told another address (recipe
+`engines.host`); its stdout/stderr go to
 `LOG_DIR/engine-<i>.log` (appended across restarts). The engine runs in its own process group
 (stopped with SIGTERM, then SIGKILL, to the whole group) and a watchdog thread inside the engine
 process exits as soon as its parent (the actor) is gone, so `ray.kill`, `ray.shutdown` or a
@@ -83,7 +84,8 @@ def engine_command(backend: str, model_dir: str, port: int, *, host: str = "127.
             raise ValueError(f"extra_args are for backend='sglang'; the embedded engine takes "
                              f"engine_kwargs (got {list(extra_args)})")
         kw = {"model_dir": str(model_dir), "host": host, "port": int(port), "weight_version": str(weight_version),
-              **({"sock_fd": sock_fd} if sock_fd is not None else {}), **(engine_kwargs or {})}
+              **({"tp": int(tp)} if tp != 1 else {}), **({"sock_fd": sock_fd} if sock_fd is not None else {}),
+              **(engine_kwargs or {})}
         return [*head, json.dumps(kw)]
     if backend == "sglang":
         if engine_kwargs:

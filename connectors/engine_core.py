@@ -112,6 +112,12 @@ class EngineCore:
 
     # ------------------------------------------------------------ control (engine thread via call)
 
+    def can_flush(self) -> bool:
+        """SGLang's rule for flushing the cache (Scheduler.flush_cache: is_fully_idle with
+        ignore_waiting while paused): nothing running, and nothing waiting unless paused. An
+        `in_place` pause keeps its requests running, so it never can; `retract` and `abort` can."""
+        return not self._running and not self._joining and (self._paused is not None or not self._waiting)
+
     def abort(self, rid: str | None = None) -> int:
         """Finish matching requests now with what they have; returns how many."""
         hit = [r for r in [*self._running, *self._waiting] if rid is None or r.rid == rid]

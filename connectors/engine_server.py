@@ -37,6 +37,8 @@ _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refus
     "background": False, "return_bytes": False,
 }
 SAMPLING_EPS = 1e-6  # SGLang's _SAMPLING_EPS
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                 "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's words
 TENSOR_FORMAT = "safetensors"  # the one load_format /update_weights_from_tensor takes (no pickle)
 _SP_UNSUPPORTED = {"stop": None, "n": 1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                    "repetition_penalty": 1.0}
@@ -83,8 +85,12 @@ async def _decode(request: web.Request, typ: type) -> Any:
 
 class EngineServer:
     def __init__(self, model_dir: str, max_running: int = 64, weight_version: str = "0", seed: int = 0,
-                 keys: Keys | None = None, weights_root: str | None = None) -> None:
+                 keys: Keys | None = None, weights_root: str | None = None, tp: int = 1) -> None:
         from transformers import AutoTokenizer
+
+        if type(tp) is not int or tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+        self.tp = tp  # the TP ranks this one process stands for in the weight group (it does not shard)
 
         self.keys = keys or Keys()
         self.weights_root = os.path.realpath(weights_root) if weights_root else None
@@ -92,8 +98,10 @@ class EngineServer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_path = model_dir
         self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
-        self._group: Any = None  # torch.distributed group for weight updates
-        self._recv_buf = torch.empty(0, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
+        self._groups: list[Any] = []  # weight-update groups, one per TP rank (rank_offset + tp_rank)
+        self._session = False  # SGLang's weight-update session (/begin_weight_update .. /end_weight_update)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._recv_bufs = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(tp)]
         self.app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._guard, self._errors])
         r = self.app.router
         r.add_post("/generate", self.generate)
@@ -106,6 +114,8 @@ class EngineServer:
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
@@ -300,24 +310,31 @@ class EngineServer:
         return web.json_response({"success": True, "message": "continued"})
 
     async def flush_cache(self, _: web.Request) -> web.Response:
-        if self.core.num_requests:
-            raise HTTPError(400, f"cannot flush the cache while {self.core.num_requests} requests are running")
+        if not await self._control(self.core.can_flush):
+            raise HTTPError(400, f"cannot flush the cache while {self.core.num_requests} requests are running or queued")
         return web.json_response({"success": True, "message": "Cache flushed."})
 
-    async def _update(self, load: Any, abort_all: bool, version: str | None) -> web.Response:
-        def do() -> None:
+    async def _update(self, load: Any, abort_all: bool, version: str | None, flush: bool,
+                      ok: dict[str, Any]) -> web.Response:
+        """SGLang's order: abort (if asked), load, record the version, then flush the cache the old
+        weights made. A flush refused because requests are running fails the call (400, success
+        false) although the weights did change, as in SGLang 0.5.23 (scheduler_components/
+        weight_updater.py, flush_cache_after_weight_update); `flush_cache: false` skips it."""
+        def do() -> bool:
             if abort_all:
                 self.core.abort()
             load()
             if version is not None:
                 self.core.weight_version = version
+            return not flush or self.core.can_flush()
 
         try:
-            await self._control(do)
+            flushed = await self._control(do)
         except (OSError, ValueError, RuntimeError, KeyError) as e:
-            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0})
+            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}", **ok}, status=400)
+        if not flushed:
+            return web.json_response({"success": False, "message": FLUSH_REFUSED, **ok}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.", **ok})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         req: api.UpdateFromDiskReq = await _decode(request, api.UpdateFromDiskReq)
@@ -326,7 +343,7 @@ class EngineServer:
             return web.json_response({"success": False, "message": f"model_path {req.model_path!r} is outside this "
                                       f"engine's weights directory {self.weights_root}: refused"}, status=400)
         resp = await self._update(lambda: self.core.load_from_disk(req.model_path, None),
-                                  req.abort_all_requests, req.weight_version)
+                                  req.abort_all_requests, req.weight_version, req.flush_cache, {"num_paused_requests": 0})
         if resp.status == 200:
             self.model_path = req.model_path
         return resp
@@ -335,33 +352,66 @@ class EngineServer:
         req: api.InitGroupReq = await _decode(request, api.InitGroupReq)
         from streamrl.connectors.weight_sync import join_group
 
+        loop = asyncio.get_running_loop()
+        # SGLang joins each TP rank as rank_offset + tp_rank (streamrl/core/weight_group.py); this
+        # process joins every rank it stands for, each of which receives the full tensors as there.
         try:
-            self._group = await asyncio.get_running_loop().run_in_executor(
-                None, join_group, req.master_address, req.master_port, req.rank_offset, req.world_size,
-                req.group_name, req.backend)
+            self._groups = list(await asyncio.gather(*(loop.run_in_executor(
+                None, join_group, req.master_address, req.master_port, req.rank_offset + r, req.world_size,
+                req.group_name, req.backend) for r in range(self.tp))))
         except Exception as e:  # noqa: BLE001
+            self._groups = []
             return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await _decode(request, api.BeginWeightUpdateReq)
+        if self._session:
+            return web.json_response({"success": False, "message": "a weight-update session is already open; "
+                                      "call end_weight_update() first"}, status=400)
+        self._session = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _decode(request, api.EndWeightUpdateReq)
+        if not self._session:
+            return web.json_response({"success": False, "message": "no weight-update session is open; "
+                                      "call begin_weight_update() first"}, status=400)
+        self._session = False
+        return web.json_response({"success": True, "message": "Success"})
+
+    def _no_session(self, what: str) -> web.Response | None:
+        """SGLang 0.5.23 takes tensor and distributed updates only inside a session (scheduler_components/weight_updater.py)."""
+        if self._session:
+            return None
+        return web.json_response({"success": False, "message": f"{what} must run between begin_weight_update() "
+                                  "and end_weight_update()"}, status=400)
+
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         req: api.UpdateFromDistributedReq = await _decode(request, api.UpdateFromDistributedReq)
-        if self._group is None:
+        if refused := self._no_session("update_weights_from_distributed"):
+            return refused
+        if not self._groups:
             raise HTTPError(400, "call /init_weights_update_group first")
         if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
             raise HTTPError(400, "names, dtypes and shapes must have the same length")
         from streamrl.connectors.weight_sync import receive
 
         # Receive outside the engine thread (generation goes on), then swap between steps.
-        try:
-            state = await asyncio.get_running_loop().run_in_executor(
-                None, receive, self._group, req.names, req.dtypes, req.shapes, req.load_format, self._recv_buf)
+        loop = asyncio.get_running_loop()
+        try:  # every TP rank takes part in each broadcast; rank_offset + 0's copy is loaded
+            state, *_ = await asyncio.gather(*(loop.run_in_executor(
+                None, receive, g, req.names, req.dtypes, req.shapes, req.load_format, buf)
+                for g, buf in zip(self._groups, self._recv_bufs)))
         except ValueError as e:  # refused before anything was received
             raise HTTPError(400, str(e)) from None
         return await self._update(lambda: self.core.load_state_dict(state, None), req.abort_all_requests,
-                                  req.weight_version)
+                                  req.weight_version, req.flush_cache, {})
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         req: api.UpdateFromTensorReq = await _decode(request, api.UpdateFromTensorReq)
+        if refused := self._no_session("update_weights_from_tensor"):
+            return refused
         if req.load_format != TENSOR_FORMAT:
             raise HTTPError(400, f"load_format {req.load_format!r} is refused: SGLang's entries are pickled "
                                  "tensors and this engine never unpickles what comes over the network; send "
@@ -380,11 +430,11 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type on a bad blob
             raise HTTPError(400, f"serialized_named_tensors: not a safetensors blob ({type(e).__name__}: {e})") from None
         return await self._update(lambda: self.core.load_state_dict(state, None), req.abort_all_requests,
-                                  req.weight_version)
+                                  req.weight_version, req.flush_cache, {})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         req: api.UpdateWeightVersionReq = await _decode(request, api.UpdateWeightVersionReq)
-        return await self._update(lambda: None, req.abort_all_requests, req.new_version)
+        return await self._update(lambda: None, req.abort_all_requests, req.new_version, False, {})
 
     # ------------------------------------------------------------ info
 
@@ -404,7 +454,7 @@ class EngineServer:
             "model_path": self.model_path, "tokenizer_path": self.model_path, "served_model_name": self.model_path,
             "context_length": self.core.max_context, "max_running_requests": self.core.max_running,
             "max_total_num_tokens": self.core.max_running * self.core.max_context,
-            "weight_version": self.core.weight_version, "version": "streamrl-embedded",
+            "weight_version": self.core.weight_version, "version": "streamrl-embedded", "tp_size": self.tp,
             "device": "cpu" if not torch.cuda.is_available() else "cuda",
             "internal_states": [{"paused": self.core.paused, "num_requests": self.core.num_requests}],
         })
@@ -423,7 +473,7 @@ class _DropRouterProbes(logging.Filter):
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
           weight_version: str = "0", seed: int = 0, threads: int = 1, cpus: list[int] | None = None,
-          idle: bool = False, sock_fd: int | None = None, weights_root: str | None = None) -> None:
+          idle: bool = False, sock_fd: int | None = None, weights_root: str | None = None, tp: int = 1) -> None:
     """Serve until interrupted. `threads`: torch intra-op threads. One by default: engines share
     the CPU with the learner and other engines, and torch's default (one per core) collapses
     7-10x under such contention (benchmarks/engine_throughput.py --engine-threads).
@@ -444,7 +494,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_runnin
     torch.set_num_threads(threads)
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
     server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed,
-                          keys=Keys.from_env(), weights_root=weights_root)
+                          keys=Keys.from_env(), weights_root=weights_root, tp=tp)
     from streamrl.connectors.ports import listen_socket, port_of
 
     sock = socket.socket(fileno=sock_fd) if sock_fd is not None else listen_socket(host, port)

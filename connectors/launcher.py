@@ -134,7 +134,7 @@ class EngineLauncher:
                  engine_kwargs: dict[str, Any] | None = None, poll_interval_s: float = 1.0,
                  startup_timeout_s: float = 600, on_restart: OnRestart | None = None,
                  max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
-                 keys: Keys | None = None) -> None:
+                 keys: Keys | None = None, host: str = "127.0.0.1") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if num_engines < 1:
@@ -143,6 +143,7 @@ class EngineLauncher:
         self.num_engines, self.router, self.backend = num_engines, router, backend
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "engine-logs"
         self.extra_args, self.tp = list(extra_args), tp
+        self.host = host  # the address every engine binds (recipe engines.host)
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus  # None: tp for SGLang (and for "auto" where the cluster has GPUs)
         self.engine_kwargs = engine_kwargs or {}
@@ -172,7 +173,7 @@ class EngineLauncher:
         opts = {"num_cpus": self.num_cpus, "num_gpus": num_gpus, **self.actor_options}
         return EngineActor.options(**opts).remote(
             index, self.model_dir, self.backend, str(self.log_dir), self.weight_version, self.tp,
-            self.extra_args, self.engine_kwargs, "127.0.0.1", self.startup_timeout_s, keys=self.keys)
+            self.extra_args, self.engine_kwargs, self.host, self.startup_timeout_s, keys=self.keys)
 
     async def start(self, watch: bool = True) -> list[str]:
         if self.actors:

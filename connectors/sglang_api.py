@@ -120,6 +120,14 @@ class UpdateFromTensorReq(_Req):
     weight_version: str | None = None
 
 
+class BeginWeightUpdateReq(_Req):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateReq(_Req):
+    pass
+
+
 class UpdateWeightVersionReq(_Req):
     new_version: str
     abort_all_requests: bool = True

@@ -8,7 +8,8 @@ only (a request that reached the server is never sent twice by us).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -175,10 +176,11 @@ class SGLangClient:
         return await self.request("POST", "/flush_cache", {})
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | int | None = None,
-                                       abort_all_requests: bool = False) -> Any:
+                                       abort_all_requests: bool = False, flush_cache: bool = True) -> Any:
+        """`flush_cache`: see update_weights_from_distributed."""
         return await self.json("POST", "/update_weights_from_disk", api.UpdateFromDiskReq(
             model_path=model_path, weight_version=None if weight_version is None else str(weight_version),
-            abort_all_requests=abort_all_requests))
+            abort_all_requests=abort_all_requests, flush_cache=flush_cache))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "weight_update_group",
@@ -187,18 +189,39 @@ class SGLangClient:
             master_address=master_address, master_port=master_port, rank_offset=rank_offset,
             world_size=world_size, group_name=group_name, backend=backend))
 
+    async def begin_weight_update(self) -> Any:
+        """Open SGLang's weight-update session: /update_weights_from_distributed and
+        /update_weights_from_tensor are refused (400) outside one (sglang 0.5.23)."""
+        return await self.json("POST", "/begin_weight_update", api.BeginWeightUpdateReq())
+
+    async def end_weight_update(self) -> Any:
+        return await self.json("POST", "/end_weight_update", api.EndWeightUpdateReq())
+
+    @contextlib.asynccontextmanager
+    async def weight_update(self) -> AsyncIterator[None]:
+        """begin_weight_update ... end_weight_update, closed also when the updates inside fail
+        (an open session makes the next begin fail)."""
+        await self.begin_weight_update()
+        try:
+            yield
+        finally:
+            await self.end_weight_update()
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               weight_version: str | int | None = None,
                                               group_name: str = "weight_update_group",
-                                              load_format: str | None = None) -> Any:
-        """`load_format`: None (one broadcast per tensor) or "flattened_bucket" (one for them all)."""
+                                              load_format: str | None = None, flush_cache: bool = True) -> Any:
+        """`load_format`: None (one broadcast per tensor) or "flattened_bucket" (one for them all).
+        `flush_cache` (SGLang's default true): flush the cache the old weights made, which SGLang
+        refuses (400, success false, the weights loaded all the same) while requests are running,
+        as they are under an `in_place` pause: send False then."""
         return await self.json("POST", "/update_weights_from_distributed", api.UpdateFromDistributedReq(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, load_format=load_format,
-            weight_version=None if weight_version is None else str(weight_version)))
+            weight_version=None if weight_version is None else str(weight_version), flush_cache=flush_cache))
 
     async def update_weights_from_tensor(self, named_tensors_or_blobs: Mapping[str, Any] | Sequence[bytes],
                                          weight_version: str | int | None = None,
-                                         abort_all_requests: bool = False) -> Any:
+                                         abort_all_requests: bool = False, flush_cache: bool = True) -> Any:
         """Embedded engine only: the tensors (a name -> tensor mapping, or safetensors blobs) as
         load_format "safetensors". Real SGLang expects pickled tensors there; StreamRL sends none."""
         if isinstance(named_tensors_or_blobs, Mapping):
@@ -209,7 +232,7 @@ class SGLangClient:
             blobs = list(named_tensors_or_blobs)
         return await self.json("POST", "/update_weights_from_tensor", api.UpdateFromTensorReq(
             serialized_named_tensors=blobs, load_format="safetensors", abort_all_requests=abort_all_requests,
-            weight_version=None if weight_version is None else str(weight_version)))
+            weight_version=None if weight_version is None else str(weight_version), flush_cache=flush_cache))
 
     async def update_weight_version(self, new_version: str | int, abort_all_requests: bool = False) -> Any:
         return await self.json("POST", "/update_weight_version", api.UpdateWeightVersionReq(

@@ -1,6 +1,7 @@
 """Weight transfer over a torch.distributed process group of its own (gloo on CPU, NCCL on
 GPU), as SGLang's `/init_weights_update_group` + `/update_weights_from_distributed` do:
-the trainer is rank 0 and broadcasts, engine i joins as rank `rank_offset`.
+the trainer is rank 0 and broadcasts, each engine TP rank joins as `rank_offset + tp_rank`
+(streamrl/core/weight_group.py).
 
 Tensors travel in buckets: SGLang's `load_format="flattened_bucket"` (0.5.23,
 `FlattenedTensorBucket`), one broadcast of the tensors' bytes laid end to end in the order

@@ -207,10 +207,10 @@ class LearnerCfg(_Cfg):
 class EnginesCfg(_Cfg):
     num: PosInt = 1
     backend: Literal["embedded", "sglang", "auto"] = "embedded"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address the engines bind; another exposes them beyond this machine
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
     weight_sync: Literal["distributed", "disk"] = "distributed"  # how new versions reach the engines
-    tp: PosInt = 1  # SGLang tensor parallel size per engine
+    tp: PosInt = 1  # tensor parallel size per engine: each TP rank joins the weight group (embedded: 1 process)
     max_running: PosInt = 64  # embedded engine: requests decoded together
     threads: PosInt = 1  # embedded engine: torch CPU threads
     extra_args: list[str] = []  # SGLang launch_server arguments

@@ -322,6 +322,7 @@ async def reset_engine(url: str, model_dir: str) -> None:
                            ("/update_weights_from_disk", {"model_path": model_dir, "weight_version": "0"})):
             status, out = await post_json(s, url + path, body)
             assert status == 200, (path, status, out)
+        await post_json(s, url + "/end_weight_update", {})  # a weight-update session a failed test left open (else 400)
 
 
 # ---------------------------------------------------------------- SGLang's JSON contract

@@ -26,6 +26,7 @@ import pytest
 from aiohttp import web
 
 from streamrl.connectors import sglang_api as api
+from streamrl.connectors.engine_server import FLUSH_REFUSED
 from streamrl.connectors.ports import listen_socket, port_of
 from streamrl.connectors.sglang_client import EngineError, SGLangClient
 from streamrl.core.types import VersionSpan
@@ -267,6 +268,7 @@ def test_update_weights_from_distributed(engine, ref0, ref1):
                     "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                     "group_name": "wu-test", "backend": "gloo"}))
             assert st == 200 and out["success"] is True, out
+            assert (await post_json(s, engine.url + "/begin_weight_update", {}))[0] == 200
             _, (st, out) = await asyncio.gather(
                 asyncio.to_thread(broadcast, group, [state[k] for k in names]),
                 post_json(s, engine.url + "/update_weights_from_distributed", {
@@ -274,6 +276,7 @@ def test_update_weights_from_distributed(engine, ref0, ref1):
                     "shapes": [list(state[k].shape) for k in names], "group_name": "wu-test",
                     "weight_version": "7"}))
             assert st == 200 and out["success"] is True, out
+            assert (await post_json(s, engine.url + "/end_weight_update", {}))[0] == 200
             v = await _version(s, engine.url)
             after = await _greedy(c, prompts, n)
             del group
@@ -312,14 +315,18 @@ def test_update_weights_from_distributed_bucketed(engine, ref0, ref1):
             group, _ = await asyncio.gather(
                 asyncio.to_thread(create_group, store, 2, "wu-bucket", "gloo", 60),
                 c.init_weights_update_group("127.0.0.1", port, 1, 2, "wu-bucket", "gloo"))
-            with pytest.raises(EngineError) as bad:
-                await c.update_weights_from_distributed(names, ["float8"] + dtypes[1:], shapes, 9, "wu-bucket",
-                                                        load_format=BUCKET_FORMAT)
-            still = await _greedy(c, prompts[:1], n)
-            v_bad = await c.weight_version()
-            _, out = await asyncio.gather(
-                asyncio.to_thread(broadcast, group, list(state.values()), True),
-                c.update_weights_from_distributed(names, dtypes, shapes, 7, "wu-bucket", load_format=BUCKET_FORMAT))
+            with pytest.raises(EngineError) as outside:  # SGLang takes it only inside a weight-update session
+                await c.update_weights_from_distributed(names, dtypes, shapes, 9, "wu-bucket", load_format=BUCKET_FORMAT)
+            async with c.weight_update():
+                with pytest.raises(EngineError) as bad:
+                    await c.update_weights_from_distributed(names, ["float8"] + dtypes[1:], shapes, 9, "wu-bucket",
+                                                            load_format=BUCKET_FORMAT)
+                still = await _greedy(c, prompts[:1], n)
+                v_bad = await c.weight_version()
+                _, out = await asyncio.gather(
+                    asyncio.to_thread(broadcast, group, list(state.values()), True),
+                    c.update_weights_from_distributed(names, dtypes, shapes, 7, "wu-bucket", load_format=BUCKET_FORMAT))
+            assert outside.value.status == 400 and "must run between begin_weight_update()" in outside.value.message
             return bad.value, still, v_bad, out, await c.weight_version(), await _greedy(c, prompts, n)
 
     bad, still, v_bad, out, v, after = asyncio.run(main())
@@ -329,6 +336,52 @@ def test_update_weights_from_distributed_bucketed(engine, ref0, ref1):
     assert [r.output_ids for r in after] == [hf_greedy(ref1, p, n) for p in prompts]
     for p, r in zip(prompts, after):
         assert max(abs(a - b) for a, b in zip(r.logprobs, reference_logprobs(ref1, p, r.output_ids, 0))) < TOL
+
+
+@pytest.mark.slow
+def test_tp2_engine_joins_both_ranks(model_dirs, ref1, tmp_path):
+    """An embedded engine started with tp=2 joins the weight group as SGLang's two TP ranks would
+    (rank_offset + 0 and + 1 of world 1 + 2, streamrl/core/weight_group.py), both receive every
+    broadcast, and the pushed weights are served."""
+    from streamrl.connectors.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
+    from streamrl.core.weight_group import weight_group
+
+    g = weight_group([2])
+    state = pack(_learner_state(ref1))
+    names = list(state)
+    dtypes, shapes = [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
+    prompts = [prompt(i) for i in range(2)]
+    n = 16
+    proc = EngineProc(model_dirs[0], tmp_path / "tp2.log", tp=2)
+
+    async def main():
+        async with SGLangClient(proc.url) as c, aiohttp.ClientSession() as s:
+            _, info = await get_json(s, proc.url + "/server_info")
+            store = open_store(g.world_size)
+            group, joined = await asyncio.gather(
+                asyncio.to_thread(create_group, store, g.world_size, "wu-tp2", "gloo", 60),
+                c.init_weights_update_group("127.0.0.1", store.port, g.rank_offsets[0], g.world_size, "wu-tp2"))
+            async with c.weight_update():
+                _, out = await asyncio.gather(
+                    asyncio.to_thread(broadcast, group, list(state.values()), True),
+                    c.update_weights_from_distributed(names, dtypes, shapes, 3, "wu-tp2", load_format=BUCKET_FORMAT))
+            return info, joined, out, await c.weight_version(), await _greedy(c, prompts, n)
+
+    try:
+        proc.wait_ready()
+        info, joined, out, v, after = asyncio.run(main())
+    finally:
+        proc.stop()
+    assert info["tp_size"] == 2 and g.world_size == 3
+    assert joined["success"] is True and out["success"] is True and v == "3"
+    assert [r.output_ids for r in after] == [hf_greedy(ref1, p, n) for p in prompts]
+
+
+def test_embedded_engine_refuses_bad_tp(model_dirs):
+    from streamrl.connectors.engine_server import EngineServer
+
+    with pytest.raises(ValueError, match="tp must be an int >= 1, got 0"):
+        EngineServer(model_dirs[0], tp=0)
 
 
 def test_update_weights_from_tensor(engine, ref0, ref1):
@@ -345,6 +398,10 @@ def test_update_weights_from_tensor(engine, ref0, ref1):
 
     async def main():
         async with SGLangClient(engine.url) as c, aiohttp.ClientSession() as s:
+            outside = await post_json(s, engine.url + "/update_weights_from_tensor",
+                                      {"serialized_named_tensors": [], "load_format": "safetensors"})
+            sessions = [(await post_json(s, engine.url + p, {}))[0] for p in
+                        ("/end_weight_update", "/begin_weight_update", "/begin_weight_update")]
             refused = [await post_json(s, engine.url + "/update_weights_from_tensor",
                                        {"serialized_named_tensors": [pickled], "weight_version": "9",
                                         **({"load_format": f} if f else {})})
@@ -354,9 +411,14 @@ def test_update_weights_from_tensor(engine, ref0, ref1):
             still = await _greedy(c, prompts[:1], n)
             v_refused = await c.weight_version()
             ok = await c.update_weights_from_tensor(_learner_state(ref1), weight_version=5)
-            return refused, garbage, still, v_refused, ok, await c.weight_version(), await _greedy(c, prompts, n)
+            sessions.append((await post_json(s, engine.url + "/end_weight_update", {}))[0])
+            return (outside, sessions, refused, garbage, still, v_refused, ok, await c.weight_version(),
+                    await _greedy(c, prompts, n))
 
-    refused, garbage, still, v_refused, ok, v, after = asyncio.run(main())
+    outside, sessions, refused, garbage, still, v_refused, ok, v, after = asyncio.run(main())
+    assert outside == (400, {"success": False, "message": "update_weights_from_tensor must run between "
+                             "begin_weight_update() and end_weight_update()"})
+    assert sessions == [400, 200, 400, 200]  # end without begin, begin, begin again while open, end
     for st, out in refused:
         msg = out["error"]["message"]
         assert st == 400 and "refused" in msg and "unpickle" in msg and "'safetensors'" in msg, out
@@ -417,15 +479,22 @@ def test_pause_in_place_update_continue(engine, model_dirs):
             tasks, paused, _ = await _pause_mid_flight(c, s, engine.url, "in_place", 4, n)
             await asyncio.sleep(0.3)
             still = [not t.done() for t in tasks]
-            st, out = await post_json(s, engine.url + "/update_weights_from_disk",
+            # SGLang fails a flushing update while requests run (in_place keeps them running) ...
+            refused = await post_json(s, engine.url + "/update_weights_from_disk",
                                       {"model_path": model_dirs[1], "weight_version": "1"})
+            flush = await post_json(s, engine.url + "/flush_cache", {})
+            # ... and takes it with flush_cache false, as VersionBroadcaster sends it for in_place
+            st, out = await post_json(s, engine.url + "/update_weights_from_disk",
+                                      {"model_path": model_dirs[1], "weight_version": "1", "flush_cache": False})
             assert st == 200 and out["success"], out
             assert await _version(s, engine.url) == "1"
             st, _ = await post_json(s, engine.url + "/continue_generation", {})
             assert st == 200
-            return paused, still, await asyncio.gather(*tasks)
+            return paused, still, refused, flush, await asyncio.gather(*tasks)
 
-    paused, still, results = asyncio.run(main())
+    paused, still, refused, flush, results = asyncio.run(main())
+    assert refused == (400, {"success": False, "message": FLUSH_REFUSED, "num_paused_requests": 0})
+    assert flush[0] == 400
     assert paused == {"paused": "in_place", "num_requests": 4}
     assert all(still), "a request finished while the engine was paused"
     for r in results:
@@ -685,12 +754,22 @@ async def _recording_server(handler):
         await runner.cleanup()
 
 
+def _wheel_source(path: str) -> str:
+    """A source file of the sglang 0.5.23 wheel (`sgl` downloads it), read without importing sglang."""
+    wheel = sorted(CACHE_DIR.glob("sglang-0.5.23-*.whl"))[-1]
+    with zipfile.ZipFile(wheel) as z:
+        return z.read(f"sglang/srt/{path}").decode()
+
+
+def _function(source: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    return next(n for n in ast.walk(ast.parse(source))
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
+
+
 def _io_struct_fields() -> dict[str, set[str]]:
     """Field names of SGLang's control-request structs (srt/managers/io_struct.py in the same
     wheel), read with `ast` without importing sglang."""
-    wheel = sorted(CACHE_DIR.glob("sglang-0.5.23-*.whl"))[-1]
-    with zipfile.ZipFile(wheel) as z:
-        tree = ast.parse(z.read("sglang/srt/managers/io_struct.py"))
+    tree = ast.parse(_wheel_source("managers/io_struct.py"))
     out = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
@@ -737,6 +816,8 @@ def test_client_requests_match_sglang_schema(sgl):
             await c.update_weight_version(4)
             await c.init_weights_update_group("127.0.0.1", 1234, 1, 2)
             await c.update_weights_from_distributed(["w"], ["float32"], [[2, 3]], 5)
+            await c.begin_weight_update()
+            await c.end_weight_update()
 
     asyncio.run(main())
     gens = [b for p, b in seen if p == "/generate"]
@@ -760,7 +841,8 @@ def test_client_requests_match_sglang_schema(sgl):
               "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
               "/update_weight_version": "UpdateWeightVersionReqInput",
               "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
-              "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput"}
+              "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+              "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput"}
     for path, cls in expect.items():
         bodies = [b for p, b in seen if p == path]
         assert len(bodies) == 1, path
@@ -774,11 +856,8 @@ def test_client_requests_match_sglang_schema(sgl):
     assert by_path["/pause_generation"] == {"mode": "retract"}
 
 
-def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
-    """The bodies of update_weights_from_tensor and a bucketed update_weights_from_distributed use
-    only fields of SGLang's request types (the values differ by design: no pickle)."""
-    import torch
-
+def _bodies(calls) -> list[tuple[str, dict]]:
+    """(path, JSON body) of each request `await calls(client)` sends, to a server that answers success."""
     seen: list[tuple[str, dict]] = []
 
     async def handler(request: web.Request) -> web.Response:
@@ -787,10 +866,22 @@ def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
 
     async def main():
         async with _recording_server(handler) as url, SGLangClient(url) as c:
-            await c.update_weights_from_tensor({"w": torch.ones(2)}, weight_version=3)
-            await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, load_format="flattened_bucket")
+            await calls(c)
 
     asyncio.run(main())
+    return seen
+
+
+def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
+    """The bodies of update_weights_from_tensor and a bucketed update_weights_from_distributed use
+    only fields of SGLang's request types (the values differ by design: no pickle)."""
+    import torch
+
+    async def calls(c: SGLangClient) -> None:
+        await c.update_weights_from_tensor({"w": torch.ones(2)}, weight_version=3)
+        await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, load_format="flattened_bucket")
+
+    seen = _bodies(calls)
     fields = _io_struct_fields()
     by_path = dict(seen)
     tensor, dist = by_path["/update_weights_from_tensor"], by_path["/update_weights_from_distributed"]
@@ -802,6 +893,73 @@ def test_tensor_and_bucket_requests_use_sglang_fields(sgl):
 
     from safetensors.torch import load
     assert torch.equal(load(base64.b64decode(tensor["serialized_named_tensors"][0]))["w"], torch.ones(2))
+
+
+def test_weight_update_rules_match_sglang(sgl):
+    """The rules of SGLang 0.5.23 that the embedded engine and VersionBroadcaster follow, read from
+    the wheel's source: fails when SGLang changes them or when our side drifts from them."""
+    from streamrl.core.weight_group import weight_group
+
+    # Each engine TP rank joins the weight group as rank_offset + tp_rank, world_size as sent.
+    init = _function(_wheel_source("model_executor/model_runner_components/weight_updater.py"),
+                     "init_weights_update_group")
+    rank = next(n.value for n in ast.walk(init) if isinstance(n, ast.Assign) and
+                [getattr(t, "id", None) for t in n.targets] == ["rank"])
+    assert ast.unparse(rank) == "rank_offset + self.tp_rank"
+    assert "world_size=world_size" in ast.unparse(init)
+    for tps in [(1, 1), (2, 2), (1, 2, 4)]:
+        g = weight_group(tps)
+        ranks = [off + tp_rank for off, tp in zip(g.rank_offsets, tps) for tp_rank in range(tp)]  # SGLang's formula
+        assert sorted([0, *ranks]) == list(range(g.world_size))
+
+    # flush_cache defaults to true in SGLang's update requests and ours (unset: not sent)
+    io = ast.parse(_wheel_source("managers/io_struct.py"))
+    for cls, ours in [("UpdateWeightsFromDistributedReqInput", api.UpdateFromDistributedReq(names=[], dtypes=[], shapes=[])),
+                      ("UpdateWeightFromDiskReqInput", api.UpdateFromDiskReq(model_path="m")),
+                      ("UpdateWeightsFromTensorReqInput", api.UpdateFromTensorReq(serialized_named_tensors=[]))]:
+        node = next(n for n in io.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        default = next(a.value for a in node.body if isinstance(a, ast.AnnAssign) and a.target.id == "flush_cache")
+        assert ast.literal_eval(default) is True and ours.flush_cache is True, cls
+
+    # A flushing update fails (success false, SGLang's words) when the flush is refused ...
+    after = _function(_wheel_source("managers/scheduler_components/weight_updater.py"), "flush_cache_after_weight_update")
+    assert "if recv_req.flush_cache and (not self.flush_cache(" in ast.unparse(after)
+    refused = next(n.value for n in ast.walk(after) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)
+                   and isinstance(n.value.elts[0], ast.Constant))
+    assert ast.literal_eval(refused) == (False, FLUSH_REFUSED)
+    # ... which it is unless the scheduler is idle, waiting requests aside while paused (EngineCore.can_flush)
+    assert "self.is_fully_idle(ignore_waiting=self._engine_paused)" in ast.unparse(
+        _function(_wheel_source("managers/scheduler.py"), "flush_cache"))
+    # ... and the HTTP server answers a failed update 400
+    http = _wheel_source("entrypoints/http_server.py")
+    for name in ("update_weights_from_distributed", "update_weights_from_disk", "begin_weight_update"):
+        assert "HTTPStatus.BAD_REQUEST" in ast.unparse(_function(http, name)), name
+
+    # Distributed and tensor updates only inside /begin_weight_update .. /end_weight_update
+    # (VersionBroadcaster opens one per push; the embedded engine refuses them outside one)
+    updater = _wheel_source("managers/scheduler_components/weight_updater.py")
+    for name in ("update_weights_from_distributed", "update_weights_from_tensor"):
+        body = ast.unparse(_function(updater, name))
+        assert "if self._session is None" in body and \
+            f"{name} must run between begin_weight_update() and end_weight_update()" in body, name
+    assert "update_weights_from_disk must run" not in updater  # disk needs no session
+    for path in ("/begin_weight_update", "/end_weight_update"):
+        assert f'@app.post("{path}")' in http
+
+
+def test_client_sends_flush_cache_false(sgl):
+    """flush_cache: false reaches SGLang's request fields when asked (VersionBroadcaster asks under in_place)."""
+    async def calls(c: SGLangClient) -> None:
+        await c.update_weights_from_distributed(["w"], ["float32"], [[2]], 4, flush_cache=False)
+        await c.update_weights_from_disk("/m", 4, flush_cache=False)
+        await c.update_weights_from_disk("/m", 5)
+
+    seen = _bodies(calls)
+    fields = _io_struct_fields()
+    assert [(p, b.get("flush_cache")) for p, b in seen] == [
+        ("/update_weights_from_distributed", False), ("/update_weights_from_disk", False),
+        ("/update_weights_from_disk", None)]  # None: not sent, SGLang's default (true)
+    assert "flush_cache" in fields["UpdateWeightsFromDistributedReqInput"] & fields["UpdateWeightFromDiskReqInput"]
 
 
 def _check_generate_response(sgl, raw: dict, finish_cls: type) -> None:

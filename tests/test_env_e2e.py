@@ -15,6 +15,7 @@ from streamkit import (
     pool_groups,
     read_jsonl,
     read_metrics,
+    run_log,
     run_recipe,
     task_data,  # noqa: F401 - fixtures
     tiny_model,
@@ -44,6 +45,9 @@ def test_env_runs_store_exact_conversations(tmp_path: Path, tiny_model: Path, ta
     run_dir = tmp_path / "run"
     run_recipe(_recipe(tmp_path, tiny_model, task_data, mode, fn, policy), run_dir)
     check_step_metrics(read_metrics(run_dir), STEPS)
+    if policy == "in_place":  # distributed sync mid-generation: SGLang's session and flush_cache rules held
+        log = run_log(run_dir)
+        assert "using disk" not in log and "did not take version" not in log, log[-3000:]
     stats = assert_ledger_balanced(run_dir)
     assert stats["groups_by_status"].get("consumed", 0) >= STEPS * 2
     tok = AutoTokenizer.from_pretrained(tiny_model)

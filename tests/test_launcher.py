@@ -118,6 +118,8 @@ def test_engine_commands() -> None:
     assert emb[:3] == [sys.executable, "-u", "-c"] and emb[4:6] == ["42", "embedded"]
     assert json.loads(emb[6]) == {"model_dir": "/m", "host": "127.0.0.1", "port": 1234, "weight_version": "3",
                                   "max_running": 8}
+    emb_tp = engine_command("embedded", "/m", 1234, host="10.0.0.5", tp=2)  # engines.host, engines.tp
+    assert {k: json.loads(emb_tp[6])[k] for k in ("host", "tp")} == {"host": "10.0.0.5", "tp": 2}
     sgl = engine_command("sglang", "/m", 1234, weight_version=7, tp=2, extra_args=["--mem-fraction-static", 0.7],
                          parent_pid=42)
     assert sgl[4:] == ["42", "sglang", "--model-path", "/m", "--host", "127.0.0.1", "--port", "1234",

@@ -13,8 +13,11 @@ instead: benchmarks/broadcast.py measures it.)
 
 In-flight generations follow the partial-rollout policy: `abort_resume`/`restart` pause the
 engines in `abort` mode (requests return what they have; the rollout worker resubmits them),
-`in_place` pauses them in place (they continue on the new weights). `interrupt=False` (lockstep,
-one-step-off: nothing is in flight) updates without pausing.
+`in_place` pauses them in place (they continue on the new weights, so the update is sent with
+`flush_cache: false`: SGLang fails a flushing update while requests run). `interrupt=False`
+(lockstep, one-step-off: nothing is in flight) updates without pausing.
+The weight group holds rank 0 (the learner) and every TP rank of every engine
+(streamrl/core/weight_group.py: world 1 + sum of tp, engine i from its rank_offset).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from streamrl.connectors.router import Router
 from streamrl.core.types import EnginePaused, EngineResumed, VersionPublished
+from streamrl.core.weight_group import weight_group
 from streamrl.runtime import faultpoint
 from streamrl.runtime.runlog import RunLog, now_ns
 
@@ -37,8 +41,9 @@ class _UseDisk(Exception):
 
 class VersionBroadcaster:
     def __init__(self, router: Router, learner: Any, weight_sync: str, policy: str, run_dir: Path, log: RunLog,
-                 host: str = "127.0.0.1", keep_weights: int = 2) -> None:
+                 host: str = "127.0.0.1", keep_weights: int = 2, tp: int = 1) -> None:
         self.router, self.learner, self.weight_sync, self.policy = router, learner, weight_sync, policy
+        self.tp = tp  # every engine's tensor-parallel size (recipe engines.tp): each TP rank joins the group
         self.weights_dir = run_dir / "weights"
         self.log, self.host, self.keep_weights = log, host, keep_weights
         self._group_urls: tuple[str, ...] = ()
@@ -54,11 +59,12 @@ class VersionBroadcaster:
             return
         self._group_gen += 1
         name = f"streamrl-weights-{self._group_gen}"
+        group = weight_group([self.tp] * len(urls))
         await self.learner.drop_weight_group.remote()
-        port = await self.learner.open_weight_store.remote(self.host, len(urls) + 1)
-        init = self.learner.init_weight_group.remote(len(urls) + 1, name)
+        port = await self.learner.open_weight_store.remote(self.host, group.world_size)
+        init = self.learner.init_weight_group.remote(group.world_size, name)
         await asyncio.gather(init, *(self.router.workers[u].init_weights_update_group(
-            self.host, port, i + 1, len(urls) + 1, name, "nccl" if self._meta_is_cuda() else "gloo")
+            self.host, port, group.rank_offsets[i], group.world_size, name, "nccl" if self._meta_is_cuda() else "gloo")
             for i, u in enumerate(urls)))
         self._group_urls, self._group_name = urls, name
         if self._meta is None:
@@ -70,7 +76,7 @@ class VersionBroadcaster:
 
         return torch.cuda.is_available()
 
-    async def _push_distributed(self, version: int) -> None:
+    async def _push_distributed(self, version: int, flush: bool) -> None:
         from streamrl.connectors.weight_sync import BUCKET_FORMAT, plan_buckets
 
         await self._ensure_group()
@@ -80,23 +86,24 @@ class VersionBroadcaster:
         parts = plan_buckets(dtypes, shapes) if self.bucketed else [range(len(names))]
 
         async def engine(c: Any) -> None:
-            for k, b in enumerate(parts):
-                await c.update_weights_from_distributed(
-                    names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop],
-                    weight_version=version if k == len(parts) - 1 else None, group_name=self._group_name,
-                    load_format=BUCKET_FORMAT if self.bucketed else None)
+            async with c.weight_update():  # SGLang takes distributed updates only inside a session
+                for k, b in enumerate(parts):
+                    await c.update_weights_from_distributed(
+                        names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop],
+                        weight_version=version if k == len(parts) - 1 else None, group_name=self._group_name,
+                        load_format=BUCKET_FORMAT if self.bucketed else None, flush_cache=flush)
 
         await asyncio.gather(self.learner.push_weights.remote(self.bucketed),
                              *(engine(c) for c in self.router.workers.values()))
 
-    async def push_disk(self, version: int,
-                        clients: dict[str, Any] | None = None) -> tuple[str, dict[str, BaseException]]:
+    async def push_disk(self, version: int, clients: dict[str, Any] | None = None,
+                        flush: bool = True) -> tuple[str, dict[str, BaseException]]:
         """Export `version` to disk and have the engines load it; returns the path and the engines that failed."""
         path = str(self.weights_dir / f"v{version:06d}")
         if not Path(path, "config.json").exists():
             await self.learner.export.remote(path)
         clients = self.router.workers if clients is None else clients
-        failed = await self._each(clients, lambda c: c.update_weights_from_disk(path, weight_version=version))
+        failed = await self._each(clients, lambda c: c.update_weights_from_disk(path, weight_version=version, flush_cache=flush))
         if self.keep_weights:
             for old in sorted(self.weights_dir.glob("v*"))[:-self.keep_weights]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -125,15 +132,18 @@ class VersionBroadcaster:
         faultpoint.reached("publish", self.weights_dir.parent)
         t_push = time.perf_counter()
         path = self.weight_sync
+        # SGLang refuses to flush its cache (and so the update) while requests run, as in_place keeps
+        # them: they go on with the KV the old weights made, which in_place accepts by design.
+        flush = mode != "in_place"
         try:
             if self.weight_sync != "distributed" or failed:
                 raise _UseDisk()
-            await self._push_distributed(version)
+            await self._push_distributed(version, flush)
         except Exception as e:  # noqa: BLE001 - an engine died: re-form the group next time, use disk now
             if not isinstance(e, _UseDisk):
                 self.log.warn(f"weight push of version {version} over {self.weight_sync} failed ({e!r}); using disk")
             self._group_urls = () if self.weight_sync == "distributed" else self._group_urls
-            path, disk_failed = await self.push_disk(version, live)
+            path, disk_failed = await self.push_disk(version, live, flush)
             failed |= disk_failed
         push_s = time.perf_counter() - t_push
         if mode:

@@ -96,14 +96,15 @@ class Services:
             str(Path(r.model.tokenizer or r.model.path).resolve()))
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
-                                              keep_weights=r.engines.keep_weights)
+                                              keep_weights=r.engines.keep_weights, tp=r.engines.tp)
         (self.dir / "weights").mkdir(parents=True, exist_ok=True)
         kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed,
                   "weights_root": str((self.dir / "weights").resolve()),  # the only weights an engine may load
                   **({"cpus": r.engines.cpus} if r.engines.cpus else {})} if r.engines.backend == "embedded" else None
         self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
                                       log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
-                                      engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart)
+                                      engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
+                                      host=r.engines.host)
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
         bg_up = None
