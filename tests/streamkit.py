@@ -501,12 +501,16 @@ def engine_port(pid: int) -> int | None:
     return None
 
 
-def http_json(url: str, timeout_s: float = 2) -> Any:
-    """GET url -> decoded JSON, or None when it cannot be reached."""
+def http_json(url: str, timeout_s: float = 2, run_dir: Path | None = None) -> Any:
+    """GET url -> decoded JSON, or None when it cannot be reached. With `run_dir`, as a client of
+    that run's engines (its API key from RUN_DIR/endpoints.json)."""
     import urllib.request
 
+    headers = {}
+    if run_dir is not None:
+        headers["Authorization"] = "Bearer " + json.loads((run_dir / "endpoints.json").read_text())["api_key"]
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as r:
             return json.loads(r.read() or b"null")
     except (OSError, ValueError):
         return None

@@ -418,7 +418,8 @@ def kill_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,  # noqa
         assert new_port != port
         # The version it must serve is the learner's (one line per published version; the
         # learner may still take a step with groups that were scored before the gate closed).
-        sk.wait_for(lambda: (sk.http_json(f"http://127.0.0.1:{new_port}/model_info") or {}).get("weight_version")
+        model_info = f"http://127.0.0.1:{new_port}/model_info"
+        sk.wait_for(lambda: (sk.http_json(model_info, run_dir=run_dir) or {}).get("weight_version")
                     == str(len(sk.read_metrics(run_dir))), 240,
                     f"the restarted engine on port {new_port} to serve the current version", poll_s=0.5, alive=proc)
         time.sleep(2)  # it joins the router right after loading the weights

@@ -84,7 +84,11 @@ class Services:
         self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
         self.log.info(f"learner: {learner_summary(r)}")
         self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs", keys=self.keys).start()
-        self.log.info(f"sglang-router at {self.router.url} (it and the engines want this run's keys)")
+        # Who may generate during the run (the user with curl, the producer service for external
+        # producers) finds the router and the API key here (owner-only; never the admin key).
+        write_private(self.dir / "endpoints.json", json.dumps({"router_url": self.router.url, "api_key": self.keys.api}))
+        self.log.info(f"sglang-router at {self.router.url} (it and the engines want this run's keys: "
+                      f"the API key is in {self.dir / 'endpoints.json'})")
         # The SFT policy is kept as an HF directory: a resumed run or a replay builds its learner
         # (and KL reference) from it; checkpoints then hold what RL changed.
         sft_dir = self.dir / "sft_model"
@@ -144,8 +148,6 @@ class Services:
         from streamrl.core.staleness import capacity_shares
         from streamrl.producers.serve import start_service_process
 
-        # Producers generate through the router: the service hands them its URL and API key (not the admin key).
-        write_private(self.dir / "endpoints.json", json.dumps({"router_url": self.router.url, "api_key": self.keys.api}))
         self.producer_proc, url = await asyncio.to_thread(
             start_service_process, self.dir, os.getcwd(), self.dir / "logs" / "producer.log")
         self.log.info(f"producer API at {url} (bearer token in {self.dir / 'producer_token'}); external producers "
