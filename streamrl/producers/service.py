@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from streamrl.core.types import from_json, from_msgpack
+from streamrl.pools.claimer import quote
 from streamrl.producers import intake
 from streamrl.recipe import Recipe
 
@@ -395,4 +396,4 @@ class ProducerService:
 
 def _is(gid: str) -> str:
     """A Lance filter selecting one group."""
-    return "group_id = '" + gid.replace("'", "''") + "'"
+    return f"group_id = {quote([gid])}"
