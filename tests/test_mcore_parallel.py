@@ -27,6 +27,9 @@ SCRIPT = textwrap.dedent("""
            for _ in range(3)]
     if rank == 0:
         print(json.dumps([{k: o[k] for k in ("loss", "grad_norm", "kl", "entropy")} for o in out]))
+    import torch.distributed as dist
+    dist.barrier()  # leave together: rank 0 serves the store, and exiting with gloo's threads alive can abort
+    dist.destroy_process_group()
 """)
 
 

@@ -14,6 +14,8 @@ import asyncio
 import json
 from typing import Any
 
+import openai
+
 from streamrl.recipes.agents.calculator_agent import calculator, shared_client
 
 TOOLS = [{
@@ -44,9 +46,12 @@ async def run(question: str, base_url: str, api_key: str, max_turns: int = 3, ma
     messages: list[Any] = [{"role": "user", "content": question}]
     for _ in range(max_turns):
         if stream:  # the SDK accumulates the streamed deltas into the same completion
-            async with client.chat.completions.stream(model="policy", messages=messages, tools=TOOLS,
-                                                      max_tokens=max_tokens) as s:
-                reply = await s.get_final_completion()
+            try:
+                async with client.chat.completions.stream(model="policy", messages=messages, tools=TOOLS,
+                                                          max_tokens=max_tokens) as s:
+                    reply = await s.get_final_completion()
+            except openai.LengthFinishReasonError as e:  # a reply cut at max_tokens: the streaming helper
+                reply = e.completion  # raises where create() returns it; treat it as create() would
         else:
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
                                                          max_tokens=max_tokens)
