@@ -5,17 +5,32 @@ Layout under a checkpoint root:
 
     <root>/latest                  "step_00000004\\n": the newest complete checkpoint
     <root>/step_00000004/
-        model.safetensors          the megatron state dict's tensors (megatron names)
-        model_extra.pt             its non-tensor entries (megatron `_extra_state`s, None on CPU)
-        optimizer.pt               torch.optim state_dict
-        scheduler.pt               LR scheduler state_dict
-        rng.pt                     torch CPU (+ CUDA, megatron tracker) / python random / numpy states
-        meta.json                  policy version, the caller's `extra`, library versions
+        sharded/                   megatron dist_checkpointing, torch_dist format:
+            __<rank>_0.distcp      the tensors rank <rank> wrote: its shards of the parameters and
+                                   of AdamW's exp_avg / exp_avg_sq (one writer per shard)
+            .metadata              torch.distributed.checkpoint's index of every shard (a pickle)
+            common.pt              scheduler state and optimizer param groups (rank 0)
+            metadata.json          megatron's format tag
+        rng/rank_<rank>.pt         each rank's python / numpy / torch (+ CUDA) RNG states
+        meta.json                  policy version, the caller's `extra`, the layout (world, tp, pp,
+                                   dp), AdamW's common step, library versions
         manifest.json              size + sha256 of every file above, and a digest of itself
 
-Weights go to safetensors (no pickle, mmap-able, readable by any tool); the optimizer,
-scheduler and RNG states are nested dicts of tensors and Python scalars, which `torch.save`
-stores as is and `torch.load(weights_only=True)` reads back without running pickled code.
+One format for every layout, one process included: a checkpoint saved with any tensor /
+pipeline / data-parallel layout loads into any other (tp2 -> tp1, dp2 -> dp1, pp2 -> pp1,
+1 -> 2), because every tensor is stored by its global shape and offsets
+(connectors/mcore_sharded.py). RNG states are per rank: restored where the layout matches,
+otherwise every rank takes rank 0's python / numpy / torch CPU states (with a warning).
+Small files go through `torch.save` of tensors and Python scalars, read back with
+`torch.load(weights_only=True)`; the DCP `.metadata` pickle is read first by an unpickler that
+admits only its metadata classes, so a tampered run directory cannot run code on load.
+
+Ranks. With world size > 1 `save_checkpoint` / `load_checkpoint` are collective: every rank
+calls them at once. Each rank writes its own shards and RNG file; rank 0 alone creates the
+temporary directory, writes meta.json and the manifest, renames, and moves `latest`, between
+collectives that pass its outcome (or its error) to every rank, so all return the same value or
+raise. Hashing (save) and verification (load) are split across the ranks. The root must be
+one filesystem every rank sees. Without torch.distributed (no learner) only verification runs.
 
 Atomicity. A checkpoint is written into a temporary sibling `<root>/.tmp-step_...`, every
 file and the directory are fsynced, then the directory is renamed to `step_<version>` (one
@@ -32,9 +47,6 @@ Damage. `load_checkpoint` checks every file against the manifest (presence, size
 before touching the learner and raises `CheckpointError` naming the file; the learner is
 restored only from a checkpoint that verified completely.
 
-Single process only (world size 1, as the CPU learner runs): sharded tensor-/pipeline-parallel
-state would need one file set per rank.
-
 Long file: atomic save, load, retention and the HF export share one on-disk layout and its crash points.
 """
 
@@ -44,10 +56,8 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import io
 import json
 import os
-import random
 import re
 import shutil
 import time
@@ -55,11 +65,15 @@ import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-FORMAT = "streamrl-mcore-checkpoint/1"
+from streamrl.connectors import mcore_sharded as ms
+
+T = TypeVar("T")
+
+FORMAT = "streamrl-mcore-checkpoint/2"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -191,19 +205,22 @@ def _manifest_digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _write_manifest(d: Path, version: int, names: list[str]) -> None:
+def _files(d: Path) -> list[str]:
+    """Every file under `d` (relative names), the manifest excepted."""
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _write_manifest(d: Path, version: int, names: list[str], hashed: dict[str, dict] | None = None) -> None:
+    hashed = hashed or {}
     body = {"format": FORMAT, "version": version,
-            "files": {n: {"size": (d / n).stat().st_size, "sha256": _sha256(d / n)} for n in names}}
+            "files": {n: hashed.get(n) or {"size": (d / n).stat().st_size, "sha256": _sha256(d / n)} for n in names}}
     with open(d / MANIFEST, "w") as f:
         json.dump({**body, "digest": _manifest_digest(body)}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
 
 
-def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any]:
-    """Check a step directory against its manifest; returns the manifest or raises
-    `CheckpointError` naming the first missing / wrong-size / wrong-checksum file."""
-    d = Path(path)
+def _read_manifest(d: Path) -> dict[str, Any]:
     mpath = d / MANIFEST
     if not d.is_dir():
         raise CheckpointError(f"checkpoint {d}: not a directory")
@@ -218,9 +235,15 @@ def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any
     if not ok:
         raise CheckpointError(f"checkpoint {d}: {MANIFEST} is damaged ({mpath}): digest mismatch")
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {d}: {MANIFEST}: unknown format {manifest.get('format')!r}")
-    for name, want in manifest["files"].items():
-        f = d / name
+        old = " (a single-process checkpoint from before sharded checkpoints; it is no longer read)" \
+            if manifest.get("format") == "streamrl-mcore-checkpoint/1" else ""
+        raise CheckpointError(f"checkpoint {d}: {MANIFEST}: unknown format {manifest.get('format')!r}{old}")
+    return manifest
+
+
+def _check_files(d: Path, manifest: dict[str, Any], names: list[str], checksums: bool) -> None:
+    for name in names:
+        want, f = manifest["files"][name], d / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {d}: file {name} is missing ({f})")
         size = f.stat().st_size
@@ -229,6 +252,14 @@ def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any
                                   f"{size} bytes, manifest says {want['size']}")
         if checksums and _sha256(f) != want["sha256"]:
             raise CheckpointError(f"checkpoint {d}: file {name} is damaged ({f}): sha256 mismatch")
+
+
+def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any]:
+    """Check a step directory against its manifest; returns the manifest or raises
+    `CheckpointError` naming the first missing / wrong-size / wrong-checksum file."""
+    d = Path(path)
+    manifest = _read_manifest(d)
+    _check_files(d, manifest, sorted(manifest["files"]), checksums)
     return manifest
 
 
@@ -253,138 +284,172 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return root / name
 
 
-# ---------------------------------------------------------------- state capture / restore
+# ---------------------------------------------------------------- ranks acting together
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+def _group() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without torch.distributed."""
+    lay = ms.layout()
+    return lay["rank"], lay["world"]
+
+
+def _on_rank0(fn: Callable[[], T]) -> T:
+    """`fn()` on rank 0 alone; every rank returns its result, or raises (rank 0 its own error,
+    the others a CheckpointError quoting it), so no rank waits for one that gave up."""
+    rank, world = _group()
+    res: Any = None
+    err: BaseException | None = None
+    if rank == 0:
+        try:
+            res = fn()
+        except BaseException as e:
+            err = e
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [(res, None if err is None else f"{type(err).__name__}: {err}")]
+        dist.broadcast_object_list(box, src=0)
+        res, msg = box[0]
+        if msg is not None and rank != 0:
+            raise CheckpointError(f"rank 0 failed: {msg}")
+    if err is not None:
+        raise err
+    return res
+
+
+def _on_every_rank(fn: Callable[[int, int], T], gather: bool = False) -> Any:
+    """`fn(rank, world)` on every rank; returns this rank's result (`gather`: every rank's, in
+    rank order), or, when any rank failed, every rank raises the error of the lowest one."""
+    rank, world = _group()
+    res: Any = None
+    err: BaseException | None = None
     try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-        with contextlib.suppress(Exception):
-            from megatron.core import tensor_parallel
-
-            tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
-            if all(isinstance(v, torch.Tensor) for v in tracker.values()):
-                state["megatron_tracker"] = {k: v.cpu() for k, v in tracker.items()}
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if torch.cuda.is_available() and "cuda" in state:
-        cuda = state["cuda"]
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            warnings.warn(f"checkpoint has CUDA RNG states for {len(cuda)} devices, this process sees "
-                          f"{torch.cuda.device_count()}: CUDA RNG not restored", stacklevel=3)
-        if "megatron_tracker" in state:
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
-
-
-def _split_model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors: dict[str, torch.Tensor] = {}
-    other: dict[str, Any] = {}
-    seen: set[int] = set()
-    for k, v in model.state_dict().items():
-        if isinstance(v, torch.Tensor):
-            t = v.detach().cpu()
-            key = t.untyped_storage().data_ptr()
-            if (t.numel() and key in seen) or not t.is_contiguous():  # safetensors refuses shared storage
-                t = t.clone(memory_format=torch.contiguous_format)
-            seen.add(key)
-            tensors[k] = t
-        elif isinstance(v, io.BytesIO):  # TransformerEngine's `_extra_state`: bytes, kept as a tensor
-            other[k] = {_BYTES_KEY: torch.frombuffer(bytearray(v.getvalue()), dtype=torch.uint8)}
-        else:
-            other[k] = v
-    return tensors, other
-
-
-_BYTES_KEY = "__bytes__"  # marks a BytesIO saved as a uint8 tensor, so loading needs no pickle
-
-
-def _restore_bytes(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: io.BytesIO(v[_BYTES_KEY].numpy().tobytes()) if isinstance(v, dict) and _BYTES_KEY in v else v
-            for k, v in state.items()}
-
-
-def _check_single_process() -> None:
+        res = fn(rank, world)
+    except BaseException as e:
+        err = e
+    if world == 1:
+        if err is not None:
+            raise err
+        return [res] if gather else res
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError("mcore_checkpoint saves a single-process learner (world size 1); "
-                                  "model-parallel ranks need per-rank shards")
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (res if gather else None, None if err is None else f"{type(err).__name__}: {err}"))
+    failed = [(r, m) for r, (_, m) in enumerate(every) if m is not None]
+    if failed:
+        if err is not None and failed[0][0] == rank:
+            raise err
+        r, msg = failed[0]
+        raise CheckpointError(msg.removeprefix("CheckpointError: ") if msg.startswith("CheckpointError")
+                              else f"rank {r} failed: {msg}")
+    return [v for v, _ in every] if gather else res
+
+
+def _hash_share(d: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Size + sha256 of every file, each rank fsyncing and hashing its share of them."""
+    def share(rank: int, world: int) -> dict[str, dict[str, Any]]:
+        out = {}
+        for n in names[rank::world]:
+            _fsync_path(d / n)
+            out[n] = {"size": (d / n).stat().st_size, "sha256": _sha256(d / n)}
+        return out
+
+    return {k: v for part in _on_every_rank(share, gather=True) for k, v in part.items()}
+
+
+def _require_process_group() -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("sharded learner checkpoints need torch.distributed (init_single_process() "
+                           "for one process, init_distributed() for each rank)")
 
 
 # ---------------------------------------------------------------- save / load
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng/rank_{rank:05d}.pt"
 
 
 def save_checkpoint(learner: Any, root: str | Path, extra: dict | None = None,
                     keep_last: int | None = None) -> Path:
     """Write `<root>/step_<learner.version:08d>/` atomically and point `<root>/latest` at it.
 
+    Collective with more than one rank: every rank calls it at once, each writes its own
+    shards and RNG state, rank 0 alone runs the directory protocol; all return the same path.
     `extra` (JSON-serialisable, e.g. the data cursor) comes back from `load_checkpoint`.
     `keep_last`: afterwards delete all but the newest `keep_last` checkpoints (by version;
     the one `latest` names is always kept). Returns the checkpoint directory."""
-    from safetensors.torch import save_file
+    from megatron.core import dist_checkpointing
 
-    _check_single_process()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    _require_process_group()
+    lay = ms.layout()
     version = int(learner.version)
-    meta = {"version": version, "extra": extra or {}, "saved_at": time.time(),
-            "torch": torch.__version__, "model_class": type(learner.model).__name__}
+    opt_common = ms.optimizer_common(learner.opt)
+    meta = {"version": version, "extra": extra or {}, "saved_at": time.time(), "torch": torch.__version__,
+            "model_class": type(learner.model).__name__, "layout": {k: lay[k] for k in ("world", "tp", "pp", "dp")},
+            "optimizer": {k: opt_common[k] for k in ("step", "state_keys")}}
     meta_text = json.dumps(meta, indent=1, sort_keys=True)  # fail before writing anything if not JSON
+
+    def state() -> dict[str, Any]:
+        model = ms.model_sharded(learner.model)
+        return {"model": model, "optimizer": ms.optimizer_sharded(learner.opt, model, opt_common),
+                "optimizer_groups": opt_common["param_groups"], "scheduler": learner.sched.state_dict()}
+
+    sharded = _on_every_rank(lambda r, w: state())
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(root)
     final = root / step_dir_name(version)
-    tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+
+    def begin() -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_leftovers(root)
+        tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        (tmp / "sharded").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+        return str(tmp)
+
+    tmp = Path(_on_rank0(begin))
     try:
-        tensors, other = _split_model_state(learner.model)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
-        del tensors
-        torch.save(other, tmp / "model_extra.pt")
-        _at("files")
-        torch.save(learner.opt.state_dict(), tmp / "optimizer.pt")
-        torch.save(learner.sched.state_dict(), tmp / "scheduler.pt")
-        torch.save(_rng_state(), tmp / "rng.pt")
-        (tmp / "meta.json").write_text(meta_text)
-        names = ["model.safetensors", "model_extra.pt", "optimizer.pt", "scheduler.pt", "rng.pt", "meta.json"]
-        for n in names:
-            _fsync_path(tmp / n)
-        _write_manifest(tmp, version, names)  # last: its presence marks a complete directory
-        _fsync_path(tmp)
-        _at("synced")
-        _install_dir(tmp, final)
+        dist_checkpointing.save(sharded, str(tmp / "sharded"), sharded_strategy=ms.save_strategy())
+        del sharded
+        _on_every_rank(lambda r, w: torch.save(ms.rng_state(), tmp / _rng_name(r)))
+        def listing() -> list[str]:
+            (tmp / "meta.json").write_text(meta_text)
+            return _files(tmp)
+
+        names = _on_rank0(listing)
+        hashed = _hash_share(tmp, names)
+
+        def finish() -> str:
+            _at("files")
+            for sub in ("sharded", "rng", "."):
+                _fsync_path(tmp / sub)
+            _write_manifest(tmp, version, names, hashed)  # last: its presence marks a complete directory
+            _fsync_path(tmp)
+            _at("synced")
+            _install_dir(tmp, final)
+            return str(final)
+
+        _on_rank0(finish)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lay["rank"] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _at("renamed")
-    _write_text_atomic(root / LATEST, final.name + "\n")
-    _at("latest")
-    if keep_last is not None:
-        for _, p in list_checkpoints(root)[:-keep_last]:
-            if p.name != final.name:
-                _remove_dir(p)
-    return final
+
+    def publish() -> str:
+        _at("renamed")
+        _write_text_atomic(root / LATEST, final.name + "\n")
+        _at("latest")
+        if keep_last is not None:
+            for _, p in list_checkpoints(root)[:-keep_last]:
+                if p.name != final.name:
+                    _remove_dir(p)
+        return str(final)
+
+    return Path(_on_rank0(publish))
 
 
 def _resolve(root: Path, step: int | None) -> Path:
@@ -413,40 +478,77 @@ def _resolve(root: Path, step: int | None) -> Path:
     raise CheckpointError(f"checkpoint root {root}: {LATEST} names {d.name}, which does not exist")
 
 
+def _read(d: Path, name: str, fn: Callable[[Path], T]) -> T:
+    try:
+        return fn(d / name)
+    except Exception as e:  # verified but unreadable: a writer bug, a format change, or tampering
+        raise CheckpointError(f"checkpoint {d}: file {name} cannot be read: {e}") from e
+
+
+def _verified(d: Path, checksums: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Every rank checks its share of the files against the manifest, then reads what is read
+    before megatron's loader: (manifest, meta, this rank's RNG state). Nothing that could
+    run code is read (see connectors/mcore_sharded.py)."""
+    manifest = _on_every_rank(lambda r, w: _read_manifest(d))
+    names = sorted(manifest["files"])
+    _on_every_rank(lambda r, w: _check_files(d, manifest, names[r::w], checksums))
+
+    def read(rank: int, world: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        meta = _read(d, "meta.json", lambda p: json.loads(p.read_text()))
+        if meta["version"] != manifest["version"] or (_STEP_RE.match(d.name) and int(d.name[5:]) != meta["version"]):
+            raise CheckpointError(f"checkpoint {d}: meta.json version {meta['version']} does not match the directory")
+        _read(d, "sharded/.metadata", ms.check_dcp_metadata)
+        _read(d, "sharded/common.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
+        lay, saved = ms.layout(), meta["layout"]
+        same = all(lay[k] == saved[k] for k in ("world", "tp", "pp", "dp"))
+        rng = _read(d, _rng_name(rank if same else 0),
+                    lambda p: torch.load(p, map_location="cpu", weights_only=True))
+        return meta, {"state": rng, "same_layout": same}
+
+    meta, rng = _on_every_rank(read)
+    return manifest, meta, rng
+
+
 def load_checkpoint(learner: Any, root: str | Path, step: int | None = None, checksums: bool = True) -> dict:
     """Restore model, optimizer, scheduler, RNG and `learner.version` from the checkpoint
-    `latest` names (or `step`; `root` may also be a step directory). Verifies every file
-    against the manifest first and raises `CheckpointError` naming a damaged one; the
-    learner is untouched unless everything verified and read. Returns the saved `extra`."""
-    from safetensors.torch import load_file
+    `latest` names (or `step`; `root` may also be a step directory), whatever the tensor /
+    pipeline / data-parallel layout it was saved with. Collective with more than one rank.
+    Verifies every file against the manifest first and raises `CheckpointError` naming a
+    damaged one; the learner is untouched unless everything verified and read. Returns the
+    saved `extra`."""
+    d = Path(_on_rank0(lambda: str(_resolve(Path(root), step))))
+    _, meta, rng = _verified(d, checksums)
+    _require_process_group()
+    from megatron.core import dist_checkpointing
 
-    _check_single_process()
-    d = _resolve(Path(root), step)
-    manifest = verify_checkpoint(d, checksums)
+    saved_lay = meta["layout"]
+    opt_common = {**meta["optimizer"]}
 
-    def read(name: str, fn: Callable[[Path], Any]) -> Any:
+    def read(rank: int, world: int) -> dict[str, Any]:
+        model = ms.model_sharded(learner.model)
+        optimizer = ms.optimizer_sharded(learner.opt, model, opt_common, template=True)
+        template = {"model": ms.detach_template(model), "optimizer": optimizer}
         try:
-            return fn(d / name)
-        except Exception as e:  # verified but unreadable: a writer bug or a format change
-            raise CheckpointError(f"checkpoint {d}: file {name} cannot be read: {e}") from e
+            return dist_checkpointing.load(template, str(d / "sharded"))
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {d}: sharded state cannot be read: {e}") from e
 
-    meta = read("meta.json", lambda p: json.loads(p.read_text()))
-    if meta["version"] != manifest["version"] or (_STEP_RE.match(d.name) and int(d.name[5:]) != meta["version"]):
-        raise CheckpointError(f"checkpoint {d}: meta.json version {meta['version']} does not match the directory")
-    model_sd: dict[str, Any] = read("model.safetensors", lambda p: load_file(str(p), device="cpu"))
-
-    # weights_only everywhere: a tampered run directory must not run code on --resume or replay.
-    model_sd.update(read("model_extra.pt", lambda p: _restore_bytes(torch.load(p, map_location="cpu",
-                                                                                weights_only=True))))
-    opt_sd = read("optimizer.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
-    sched_sd = read("scheduler.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
-    rng = read("rng.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
-
-    learner.model.load_state_dict(model_sd, strict=True)
-    learner.opt.load_state_dict(opt_sd)
-    learner.sched.load_state_dict(sched_sd)
+    loaded = _on_every_rank(read)
+    opt_common["param_groups"] = loaded["optimizer_groups"]
+    missing, unexpected = learner.model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {d}: model state does not match: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    learner.opt.load_state_dict(ms.optimizer_state_dict(learner.opt, loaded["optimizer"], opt_common))
+    learner.sched.load_state_dict(loaded["scheduler"])
     learner.version = int(meta["version"])
-    _set_rng_state(rng)
+    ms.set_rng_state(rng["state"], process_only=not rng["same_layout"])
+    if not rng["same_layout"] and _group()[0] == 0:
+        now = {k: v for k, v in ms.layout().items() if k != "rank"}
+        warnings.warn(f"checkpoint {d} was saved with layout {saved_lay}, loaded with {now}: every rank took "
+                      "rank 0's python / numpy / torch CPU RNG state; device and model-parallel RNG states "
+                      "were not restored", stacklevel=2)
     return meta["extra"]
 
 

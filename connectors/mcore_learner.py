@@ -41,7 +41,7 @@ def init_single_process(seed: int = 0) -> None:
     init_distributed(rank=0, world_size=1, tp=1, seed=seed)
 
 
-def init_distributed(rank: int, world_size: int, tp: int = 1, seed: int = 0, *, port: int = 0,
+def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, port: int = 0,
                      listen_fd: int | None = None) -> None:
     """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
     with tensor parallel size `tp` (data parallel = world_size / tp), CPU patches, seeds.
@@ -63,7 +63,7 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, seed: int = 0, *, 
         store = tcp_store(world_size, rank=rank, port=port, listen_fd=listen_fd)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
 
