@@ -85,7 +85,8 @@ def test_resume_from_a_checkpoint_repeats_the_run_exactly(model_dir: Path, first
 
 # ---------------------------------------------------------------- (2) SIGKILL mid-save
 
-# A stand-in learner (plain torch, no megatron) through the same save/load code. A fork
+# A stand-in learner (plain torch module, saved unsharded by rank 0 of a one-process group)
+# through the same save/load code. A fork
 # server imports torch once (and runs no torch op, so forking is safe); per attempt it forks a
 # worker that loads the latest checkpoint and checks that everything it restored (weights,
 # Adam moments, scheduler, torch RNG, version) has the fingerprint recorded at save time, then
@@ -94,6 +95,7 @@ def test_resume_from_a_checkpoint_repeats_the_run_exactly(model_dir: Path, first
 CRASH = """
     import sys, os, json, signal, hashlib, time, traceback
     import numpy, safetensors.torch, torch
+    import megatron.core.dist_checkpointing, torch.distributed as dist
     from streamrl.connectors import mcore_checkpoint as mc
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports take ~1 s: once, here
 
@@ -121,6 +123,7 @@ CRASH = """
         return h.hexdigest()
 
     def attempt(root, stage, out):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # checkpoints are collective
         learner = Learner()
         loaded = None
         if os.path.exists(os.path.join(root, "latest")):
@@ -240,16 +243,18 @@ def _flip_byte(path: Path, at: float = 0.5) -> None:
 
 def _damage_manifest_hash(path: Path) -> None:
     m = json.loads(path.read_text())
-    f = m["files"]["optimizer.pt"]
+    f = m["files"]["sharded/common.pt"]
     f["sha256"] = ("0" if f["sha256"][0] != "0" else "1") + f["sha256"][1:]
     path.write_text(json.dumps(m))
 
 
+SHARD = "sharded/__0_0.distcp"  # rank 0's shard: parameters and Adam moments
 DAMAGE = {
-    "truncate model.safetensors": ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[:1000])),
-    "flip a byte of optimizer.pt": ("optimizer.pt", _flip_byte),
-    "flip a byte of model.safetensors": ("model.safetensors", lambda p: _flip_byte(p, 0.9)),
-    "delete rng.pt": ("rng.pt", lambda p: p.unlink()),
+    "truncate the shard": (SHARD, lambda p: p.write_bytes(p.read_bytes()[:1000])),
+    "flip a byte of the shard": (SHARD, lambda p: _flip_byte(p, 0.9)),
+    "flip a byte of the DCP metadata": ("sharded/.metadata", _flip_byte),
+    "flip a byte of common.pt": ("sharded/common.pt", _flip_byte),
+    "delete the RNG file": ("rng/rank_00000.pt", lambda p: p.unlink()),
     "edit a checksum in manifest.json": ("manifest.json", _damage_manifest_hash),
     "truncate manifest.json": ("manifest.json", lambda p: p.write_text(p.read_text()[:50])),
 }
@@ -339,37 +344,66 @@ def test_export_hf_loads_in_transformers_with_the_learner_logits(model_dir: Path
 # ---------------------------------------------------------------- (5) no code from a run directory
 
 TAMPER = """
-    import io, json, os, sys, torch
+    import io, json, os, pickle, shutil, sys, torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
     from streamrl.connectors import mcore_checkpoint as mc
     model_dir, root, marker = sys.argv[1:4]
     init_single_process()
     learner = MegatronLearner(model_dir, lr=1e-2)
-    # TransformerEngine keeps `_extra_state`s as BytesIO: they round-trip without pickle.
-    extra = {"decoder.layers.0.self_attention.core_attention._extra_state": io.BytesIO(b"te-state")}
-    sd = learner.model.state_dict
-    learner.model.state_dict = lambda *a, **k: {**sd(*a, **k), **extra}
-    d = mc.save_checkpoint(learner, root)
-    restored = mc._restore_bytes(torch.load(d / "model_extra.pt", weights_only=True))
-    ok = restored["decoder.layers.0.self_attention.core_attention._extra_state"].getvalue() == b"te-state"
+    learner.sft_step([([5, 6, 7], [8, 9, 2])])
+    clean = mc.save_checkpoint(learner, root)
+    out = {}
+
+    # TransformerEngine's FP8 `_extra_state` would be stored as a pickle: refused when saving
+    sd = learner.model.sharded_state_dict
+    learner.model.sharded_state_dict = lambda *a, **k: {**sd(*a, **k), "te._extra_state": ShardedObject(
+        "te._extra_state", io.BytesIO(b"fp8"), (1,), (0,), replica_id=0)}
+    learner.version += 1
+    try:
+        mc.save_checkpoint(learner, root)
+        out["extra_state"] = ""
+    except NotImplementedError as e:
+        out["extra_state"] = str(e)
+    out["versions"] = [v for v, _ in mc.list_checkpoints(root)]
+    learner.model.sharded_state_dict = sd
 
     class Evil:  # what a tampered run directory could hold
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    torch.save({"decoder.final_layernorm._extra_state": Evil()}, d / "model_extra.pt")
-    mc._write_manifest(d, learner.version, [p.name for p in d.iterdir() if p.name != mc.MANIFEST])  # re-signed too
-    try:
-        mc.load_checkpoint(learner, root)
-        refused = ""
-    except mc.CheckpointError as e:
-        refused = str(e)
-    print(json.dumps({"bytes_round_trip": ok, "refused": refused, "ran": os.path.exists(marker)}))
+    def with_bytes_entry(p):  # genuine DCP metadata plus an object entry, which DCP unpickles
+        m = pickle.loads(p.read_bytes())
+        m.state_dict_metadata["te._extra_state"] = BytesStorageMetadata()
+        p.write_bytes(pickle.dumps(m))
+
+    tamper = {"sharded/.metadata": lambda p: p.write_bytes(pickle.dumps(Evil())),
+              "sharded/.metadata bytes": with_bytes_entry,
+              "sharded/common.pt": lambda p: torch.save({"scheduler": Evil()}, p),
+              "rng/rank_00000.pt": lambda p: torch.save({"python": Evil()}, p)}
+    for what, hurt in tamper.items():
+        d = clean.with_name("step_00000009")
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(clean, d)
+        hurt(d / what.split()[0])
+        (d / "meta.json").write_text(json.dumps({**json.loads((d / "meta.json").read_text()), "version": 9}))
+        mc._write_manifest(d, 9, mc._files(d))  # re-signed too: the manifest is no defence here
+        try:
+            mc.load_checkpoint(learner, d)
+            out[what] = ""
+        except mc.CheckpointError as e:
+            out[what] = str(e)
+    out["ran"] = os.path.exists(marker)
+    print(json.dumps(out))
 """
 
 
 def test_loading_a_checkpoint_never_unpickles(model_dir: Path, tmp_path: Path) -> None:
     res = run_script(TAMPER, str(model_dir), str(tmp_path / "ckpt"), str(tmp_path / "pwned"))
-    assert res["bytes_round_trip"] is True
-    assert "model_extra.pt cannot be read" in res["refused"], res
+    assert "te._extra_state" in res["extra_state"] and res["versions"] == [1], res  # refused before writing
+    assert "system is not allowed in checkpoint metadata" in res["sharded/.metadata"], res
+    assert "sharded/.metadata cannot be read: holds pickled objects" in res["sharded/.metadata bytes"], res
+    assert "sharded/common.pt cannot be read" in res["sharded/common.pt"], res
+    assert "rng/rank_00000.pt cannot be read" in res["rng/rank_00000.pt"], res
     assert res["ran"] is False and not (tmp_path / "pwned").exists()

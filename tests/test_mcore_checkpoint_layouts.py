@@ -159,7 +159,6 @@ def test_checkpoints_load_across_tp_dp_pp_layouts(tmp_path: Path) -> None:
                                    {"name": "pp2", "pp": 2, "derive": True}])
     back = _launch(1, model, work, [{"name": "tp1", "load": ["tp2", "dp2", "pp2"]}])
 
-    print(json.dumps({"ref": ref, "two": two, "back": back}))
     assert ref[2]["grad_norm"] != pytest.approx(ref[0]["grad_norm"], rel=1e-3)  # the steps moved the policy
     _close(ref[:2], two["tp2"])  # tp=2 / dp=2 train as one process does (FACTS.md), so their
     _close(ref[:2], two["dp2"])  # checkpoints hold the reference's step-2 state
