@@ -16,14 +16,17 @@ Layout under a checkpoint root:
                                    dp), AdamW's common step, library versions
         manifest.json              size + sha256 of every file above, and a digest of itself
 
-One format for every layout, one process included: a checkpoint saved with any tensor /
+One format for every layout, one process included (one code path, and a single-process
+checkpoint then loads at tp=2 with nothing to convert): a checkpoint saved with any tensor /
 pipeline / data-parallel layout loads into any other (tp2 -> tp1, dp2 -> dp1, pp2 -> pp1,
 1 -> 2), because every tensor is stored by its global shape and offsets
 (connectors/mcore_sharded.py). RNG states are per rank: restored where the layout matches,
 otherwise every rank takes rank 0's python / numpy / torch CPU states (with a warning).
 Small files go through `torch.save` of tensors and Python scalars, read back with
 `torch.load(weights_only=True)`; the DCP `.metadata` pickle is read first by an unpickler that
-admits only its metadata classes, so a tampered run directory cannot run code on load.
+admits only its metadata classes, so a tampered run directory cannot run code on load (the
+manifest's sha256 guards against damage, not tampering: whoever can rewrite a file can
+rewrite the manifest).
 
 Ranks. With world size > 1 `save_checkpoint` / `load_checkpoint` are collective: every rank
 calls them at once. Each rank writes its own shards and RNG file; rank 0 alone creates the
@@ -37,8 +40,8 @@ file and the directory are fsynced, then the directory is renamed to `step_<vers
 atomic rename), the root is fsynced, and `latest` is replaced atomically (temp file + fsync +
 rename + fsync of the root). A crash at any point leaves `latest` naming either the previous
 complete checkpoint or the new complete one; leftovers (`.tmp-*`, `.trash-*`) are ignored by
-`load_checkpoint` and removed by the next `save_checkpoint`. One writer per root is assumed
-(the learner process). Re-saving an existing version swaps the directories with
+`load_checkpoint` and removed by the next `save_checkpoint`. One learner per root is assumed
+(its rank 0 runs the directory protocol). Re-saving an existing version swaps the directories with
 renameat2(RENAME_EXCHANGE) where the kernel and filesystem allow it; elsewhere the old one is
 moved aside first, and a crash in that short window makes `load_checkpoint` fall back to the
 newest complete checkpoint it finds.
@@ -47,7 +50,7 @@ Damage. `load_checkpoint` checks every file against the manifest (presence, size
 before touching the learner and raises `CheckpointError` naming the file; the learner is
 restored only from a checkpoint that verified completely.
 
-Long file: atomic save, load, retention and the HF export share one on-disk layout and its crash points.
+Long file: atomic save, collective load, retention and the HF export share one on-disk layout and its crash points.
 """
 
 from __future__ import annotations

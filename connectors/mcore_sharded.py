@@ -75,12 +75,26 @@ def model_sharded(model: torch.nn.Module) -> dict[str, Any]:
     sd = model.sharded_state_dict()
     for parent, k, v in _walk(sd):
         if isinstance(v, ShardedObject):
-            data = v.data.getvalue() if isinstance(v.data, io.BytesIO) else v.data
-            if data not in (None, b""):
+            if not _empty_extra_state(v.data):
                 raise NotImplementedError(f"model state {k!r} holds a non-empty extra state (TransformerEngine "
                                           "FP8 metadata?): sharded checkpoints store tensors only")
             del parent[k]
     return sd
+
+
+def _empty_extra_state(data: Any) -> bool:
+    """None, nothing, or (older TransformerEngine without FP8) a torch.save of None."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() == 0
+    if isinstance(data, io.BytesIO):
+        raw = data.getvalue()
+        if not raw:
+            return True
+        try:
+            return torch.load(io.BytesIO(raw), weights_only=True) is None
+        except Exception:  # noqa: BLE001 - anything else is real state
+            return False
+    return data is None or data == b""
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
