@@ -22,7 +22,8 @@ connectors/mcore_checkpoint.py, which owns the directory protocol around it.
   `torch.load(weights_only=False)`); megatron's `common.pt` is checked with
   `torch.load(weights_only=True)`. So a tampered (and re-signed) run directory cannot run
   code on load; the manifest's sha256 only catches accidental damage, as anyone able to
-  write the files can rewrite the manifest too.
+  write the files can rewrite the manifest too. (Megatron then reads the same files again: a
+  process rewriting them during the load is outside this guard.)
 """
 
 from __future__ import annotations
