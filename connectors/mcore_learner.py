@@ -41,13 +41,14 @@ def init_single_process(seed: int = 0) -> None:
     init_distributed(rank=0, world_size=1, tp=1, seed=seed)
 
 
-def init_distributed(rank: int, world_size: int, tp: int = 1, seed: int = 0, *, port: int = 0,
+def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, port: int = 0,
                      listen_fd: int | None = None) -> None:
     """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
-    with tensor parallel size `tp` (data parallel = world_size / tp), CPU patches, seeds.
-    The store is served by rank 0 on 127.0.0.1 (connectors/ports.py): on a socket it inherited
-    (`listen_fd`, bound to `port` by whoever started the ranks) or, alone, on one of its own;
-    the other ranks connect to `port`."""
+    with tensor parallel size `tp` and pipeline parallel size `pp` (data parallel = world_size /
+    (tp * pp)), CPU patches, seeds. The store is on 127.0.0.1 (connectors/ports.py): rank 0 serves
+    it on a socket it inherited (`listen_fd`, bound to `port` by whoever started the ranks) or,
+    given no port, on one of its own; otherwise every rank connects to `port` (a store the
+    starter serves: the learner group's driver)."""
     import torch.distributed as dist
 
     from streamrl.connectors import megatron_cpu
@@ -60,10 +61,12 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, seed: int = 0, *, 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = tcp_store(world_size, rank=rank, port=port, listen_fd=listen_fd)
+        serve = rank == 0 and (listen_fd is not None or not port)
+        # tcp_store serves for rank 0 and connects for any other: rank 0 of a served store is a client too
+        store = tcp_store(world_size, rank=0 if serve else max(rank, 1), port=port, listen_fd=listen_fd)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
 
