@@ -182,7 +182,7 @@ class LearnerCfg(_Cfg):
     warmup_steps: NonNegInt = 0
     threads: PosInt = 1  # torch CPU threads of the learner process
     num_gpus: NonNegInt = 0  # GPUs for the whole learner (one per rank: tp * pp * dp); 0 = CPU
-    cpus: list[NonNegInt] = []  # pin the learner process to these cores (Linux); empty = no pinning
+    cpus: list[NonNegInt] = []  # pin the learner to these cores (Linux; rank r takes cpus[r::ranks]); empty = no pinning
     micro_batch_size: PosInt = 8
     grad_clip: PosFloat = 1.0
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"

@@ -144,11 +144,11 @@ class LearnerDriver(WeightSource):
         from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, init_distributed
         from streamrl.recipe import learner_layout
 
-        if recipe.learner.cpus:
-            os.sched_setaffinity(0, recipe.learner.cpus)
-        torch.set_num_threads(recipe.learner.threads)
         tp, pp, dp = learner_layout(recipe)
         self.rank, self.world = rank, tp * pp * dp
+        if recipe.learner.cpus:  # ranks share out the cores when there are enough, else share them all
+            os.sched_setaffinity(0, recipe.learner.cpus[rank::self.world] or recipe.learner.cpus)
+        torch.set_num_threads(recipe.learner.threads)
         init_distributed(rank, self.world, tp=tp, pp=pp, seed=recipe.run.seed, port=store_port)
         # Batches travel on the host: a gloo group even where training runs on NCCL.
         self._ctl = (dist.new_group(backend="gloo") if torch.cuda.is_available() else dist.group.WORLD) \
