@@ -25,7 +25,7 @@ __all__ = ["task_data", "tiny_model"]  # fixtures
 STEPS = 4
 
 
-@pytest.mark.parametrize("layout", [{"dp": 2}])
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"pp": 2}], ids=["dp2", "pp2"])
 def test_parallel_learner_run_matches_one_process(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                                   layout: dict[str, int]) -> None:
     run_dir = tmp_path / "run"
