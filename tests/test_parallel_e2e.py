@@ -1,6 +1,7 @@
 """A run whose learner has several ranks (learner.parallel): the Ray actor group trains end to
-end, the ledger balances, and replaying its steps in one process gives the losses and gradient
-norms the ranks logged (to float32 rounding): the parallel learner trained what one process would."""
+end, the ledger balances, and `streamrl replay` (the same layout on a Ray instance of its own)
+gives exactly the losses and gradient norms the run logged. That each layout equals one process
+is tests/test_mcore_parallel.py's to show."""
 
 from __future__ import annotations
 

@@ -40,12 +40,12 @@ class _Rank(LearnerDriver):
         if self.pool is not None:
             self.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it
 
-    def ordered(self, seq: int, name: str, *args: Any) -> Any:
+    def ordered(self, seq: int, name: str, *args: Any, **kwargs: Any) -> Any:
         """Run collective `name` as call number `seq` of the group (see the module docstring)."""
         with self._turn:
             self._turn.wait_for(lambda: self._next == seq)
         try:
-            return getattr(self, name)(*args)
+            return getattr(self, name)(*args, **kwargs)
         finally:
             with self._turn:
                 self._next += 1
@@ -59,14 +59,14 @@ class _Method:
     def __init__(self, group: LearnerGroup, name: str) -> None:
         self.group, self.name = group, name
 
-    def remote(self, *args: Any) -> Any:
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
         g = self.group
         if self.name in COLLECTIVE:
             seq = next(g._seq)
-            return _all([r.ordered.remote(seq, self.name, *args) for r in g.ranks])
+            return _all([r.ordered.remote(seq, self.name, *args, **kwargs) for r in g.ranks])
         if self.name in EVERY_RANK:
-            return _all([getattr(r, self.name).remote(*args) for r in g.ranks])
-        return getattr(g.ranks[0], self.name).remote(*args)
+            return _all([getattr(r, self.name).remote(*args, **kwargs) for r in g.ranks])
+        return getattr(g.ranks[0], self.name).remote(*args, **kwargs)
 
 
 async def _all(refs: list[Any]) -> Any:
@@ -124,3 +124,35 @@ class LearnerGroup:
         for r in self.ranks:
             ray.kill(r, no_restart=True)
         remove_placement_group(self.pg)
+
+
+class SyncLearner:
+    """A LearnerGroup on a Ray instance of its own, called from synchronous code (`streamrl
+    replay` of a run whose learner had several ranks: the same layout gives the same numbers)."""
+
+    def __init__(self, recipe: Recipe, model_dir: str, tokenizer_dir: str) -> None:
+        import math
+
+        from streamrl.connectors.launcher import ensure_ray
+
+        ensure_ray(num_cpus=math.prod(learner_layout(recipe)) + 1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        self._loop = asyncio.new_event_loop()
+        self.group = LearnerGroup(recipe, model_dir, tokenizer_dir)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._loop.run_until_complete(_await(getattr(self.group, name).remote(*args, **kwargs)))
+        return call
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            self._loop.run_until_complete(_await(self.group.close.remote()))
+        finally:
+            self.group.kill()
+            ray.shutdown()
+            self._loop.close()

@@ -13,11 +13,10 @@ next to the replayed ones. On CPU, with the run's recipe, they are identical.
 trains on them in batches of `rollout.groups_per_step`, oldest first, starting from the
 checkpoint before the first of them was consumed (or the newest checkpoint).
 
-The learner runs in this process, built as the run built it (recipe.yaml, sft_model/ or the
-model path, learner.threads), and reads the pool without changing it. A run whose learner had
-several ranks (learner.parallel) is replayed by one: checkpoints load across layouts, and the
-numbers then agree to 1e-4 relative or 1e-6 absolute (sums taken in another order drift by a
-few float32 ulps per step), which is what `identical` means for it.
+The learner is built as the run built it (recipe.yaml, sft_model/ or the model path,
+learner.threads) and reads the pool without changing it: in this process, or, for a run whose
+learner had several ranks (learner.parallel), as the same group of ranks on a Ray instance of
+its own (another layout would sum in another order, and float32 rounding drifts apart over steps).
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from streamrl.recipe import ParallelCfg, Recipe, learner_layout
+from streamrl.recipe import Recipe, learner_layout
 
 GROUP_COLUMNS = ("group_id", "prompt_id", "producer_id", "status", "n_samples", "min_version", "max_version",
                  "consumed_step", "consumed_version", "created_ns", "drop_reason", "reward_mean", "reward_std",
@@ -76,15 +73,12 @@ def _learner(r: Recipe, run_dir: Path) -> Any:
 
     quiet_megatron()
     sft = run_dir / "sft_model"
-    one = msgspec.structs.replace(r.learner, parallel=ParallelCfg(), num_gpus=0)  # this process alone
-    return LearnerDriver(msgspec.structs.replace(r, learner=one), str(sft) if (sft / "config.json").exists()
-                         else r.model.path)
+    model = str(sft) if (sft / "config.json").exists() else r.model.path
+    if math.prod(learner_layout(r)) > 1:
+        from streamrl.runtime.learner_group import SyncLearner
 
-
-def _same(a: float | None, b: float | None, exact: bool) -> bool:
-    if exact or a is None or b is None:
-        return a == b
-    return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
+        return SyncLearner(r, model, str(Path(r.model.tokenizer or r.model.path).resolve()))
+    return LearnerDriver(r, model)
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, int]]:
@@ -130,7 +124,6 @@ def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = Tr
     if v0:
         drv.restore(str(d / "checkpoints"), version=v0)
     orig, rows = _original(d), []
-    exact = math.prod(learner_layout(r)) == 1
     for step in tqdm(range(s0, last + 1), desc="replay", unit="step", disable=not progress):
         m = drv.retrain(step, batches[step], mode_bound(r.run.mode, r.staleness.max_staleness))
         if step >= first:
@@ -138,8 +131,8 @@ def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = Tr
             rows.append({"step": step, "groups": len(m["groups"]), "loss": m.get("loss"),
                          "grad_norm": m.get("grad_norm"), "orig_loss": o.get("loss"),
                          "orig_grad_norm": o.get("grad_norm"), "reward_mean": m["reward_mean"],
-                         "start_version": v0, "identical": _same(o.get("loss"), m.get("loss"), exact)
-                         and _same(o.get("grad_norm"), m.get("grad_norm"), exact)})
+                         "start_version": v0, "identical": o.get("loss") == m.get("loss")
+                         and o.get("grad_norm") == m.get("grad_norm")})
     drv.close()
     return rows
 
