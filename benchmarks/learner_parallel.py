@@ -42,9 +42,8 @@ def layout_name(layout: dict[str, int]) -> str:
 
 def run_layout(layout: dict[str, int], preset: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Start the layout's ranks, wait for them, and summarise what they reported."""
-    from streamrl.connectors.ports import listen_socket, port_of
-
     from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.ports import listen_socket, port_of
 
     world = layout["tp"] * layout["pp"] * layout["dp"]
     if not (work / preset / "config.json").exists():
