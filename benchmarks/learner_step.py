@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installe
 import torch  # noqa: E402
 
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks.learner_parallel import layout_name, parse_layout, run_layout  # noqa: E402
 
 FIGURES = """
 method: a fixed batch of --samples rows in groups of --group-size (GRPO: random 0/1 rewards
@@ -76,6 +77,18 @@ figures:
   machine                cpus, 1-minute loadavg at start and end (anything above ~0 on this box is
                          other jobs competing for the cores: every figure gets noisier), versions
   wall_s                 the whole run, model building and warm-up included
+
+with --parallel LAYOUT ... (e.g. `--parallel 1 tp=2 pp=2 dp=2`): the megatron learner alone, one
+run of tp*pp*dp processes per layout and preset (benchmarks/learner_parallel.py), same batch and
+--warmup / --steps; torch threads are --threads split over the layout's ranks.
+  parallel.<preset>.<layout>
+      step_s_median, step_s_by_round, tokens_per_s   rank 0's wall time of a whole step
+      state_bytes_per_rank_max   bytes of parameters + AdamW state on the fullest rank (what
+                         must fit one GPU): falls with tp and pp; dp replicates (no
+                         distributed optimizer here), so it does not fall with dp
+      state_bytes_by_rank, first_step (loss, grad_norm, entropy of the first warm-up step:
+                         the same in every layout)
+  parallel.<preset>.bytes_vs_one_process  state_bytes_per_rank_max / that of layout "1"
 """
 
 
@@ -246,6 +259,20 @@ def bench_preset(preset: str, args: argparse.Namespace, work: Path) -> tuple[dic
     return out, batch
 
 
+def bench_layouts(preset: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for layout in args.parallel:
+        name = layout_name(layout)
+        log(f"{preset}: layout {name} ({layout['tp'] * layout['pp'] * layout['dp']} processes)")
+        out[name] = run_layout(layout, preset, args, work)
+        log(f"{preset}: {name}: {out[name]['step_s_median']:.3f} s/step, {out[name]['tokens_per_s']} tokens/s, "
+            f"{out[name]['state_bytes_per_rank_max']} B per rank")
+    if "1" in out:
+        one = out["1"]["state_bytes_per_rank_max"]
+        out["bytes_vs_one_process"] = {k: round(v["state_bytes_per_rank_max"] / one, 3) for k, v in out.items()}
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, epilog=FIGURES, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -266,6 +293,9 @@ def parse_args() -> argparse.Namespace:
                     help="transformers attention implementation (default sdpa, transformers' own default; eager "
                     "materialises the [T, T] scores, as megatron's local DotProductAttention does)")
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    ap.add_argument("--parallel", nargs="+", type=parse_layout, metavar="LAYOUT",
+                    help="measure the megatron learner in these layouts instead of the transformers comparison: "
+                    "1 (one process), tp=2, pp=2, dp=2 or combined (tp=2,pp=2); see the figures below")
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = ap.parse_args()
     args.warmup = max(1, args.warmup if args.warmup is not None else (2 if args.quick else 3))
@@ -295,25 +325,28 @@ def main() -> None:
 
     from streamrl.connectors.mcore_learner import init_single_process
 
-    init_single_process()  # megatron parallel state and gloo group, once for every preset
     (REPO / "runs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="learner_step-", dir=REPO / "runs"))
     presets: dict[str, Any] = {}
     batch: dict[str, int] = {}
     try:
         for preset in args.presets:
-            presets[preset], batch = bench_preset(preset, args, work)
+            if args.parallel:
+                presets[preset] = bench_layouts(preset, args, work)
+            else:
+                init_single_process()  # megatron parallel state and gloo group, once for every preset
+                presets[preset], batch = bench_preset(preset, args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    result = {
-        "benchmark": "learner_step", "quick": args.quick,
+    head: dict[str, Any] = {"parallel": presets} if args.parallel else {
         "megatron_over_transformers": {p: r["megatron_over_transformers"] for p, r in presets.items()},
-        "presets": presets,
-        "batch": batch,
+        "presets": presets, "batch": batch}
+    result = {
+        "benchmark": "learner_step", "quick": args.quick, **head,
         "config": {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
                    "warmup": args.warmup, "steps": args.steps, "micro_batch_size": args.micro_batch_size,
                    "group_size": args.group_size, "lr": args.lr, "loss_agg": "token", "advantages": "grpo",

@@ -59,3 +59,18 @@ def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: f
     logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     return logp, entropy
+
+
+def balanced_split(weights: Sequence[float], parts: int) -> list[int]:
+    """The part (0..parts-1) of each item, balancing the summed weights: items largest first
+    (ties by position), each onto the part with the least weight so far (ties: the lowest
+    part). Deterministic, so every data-parallel rank computes the same assignment."""
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
+    load = [0.0] * parts
+    out = [0] * len(weights)
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        part = min(range(parts), key=lambda p: (load[p], p))
+        out[i] = part
+        load[part] += weights[i]
+    return out

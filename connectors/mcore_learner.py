@@ -12,8 +12,15 @@ groups with at least one token in the loss), so an optimizer step equals one pas
 whole mini-batch. A step whose loss or gradient norm is not finite is skipped (weights,
 optimizer and LR schedule untouched) and counted.
 
-The caller sets up torch.distributed and megatron's parallel state (`init_single_process`
-for one CPU process).
+Parallelism (connectors/mcore_parallel.py): tensor, pipeline and data parallel ranks. Every
+forward and backward goes through megatron's `get_forward_backward_func` schedule (1F1B when
+pp > 1); the last pipeline stage computes log-probs and losses and hands the proximal
+log-probs and the step's numbers to the other stages, so every rank takes the same decisions
+and returns the same metrics. A claimed batch is split over data-parallel ranks by whole
+groups, balanced by token count (mcore_batch.balanced_split).
+
+The caller sets up torch.distributed and megatron's parallel state (`init_distributed`, or
+`init_single_process` for one CPU process).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from typing import Any
 
 import torch
 
-from streamrl.connectors.mcore_batch import TokenBatch, logprobs_and_entropy
+from streamrl.connectors.mcore_batch import TokenBatch, balanced_split, logprobs_and_entropy
+from streamrl.connectors.mcore_parallel import Parallel, init_distributed
 from streamrl.core import algorithms as alg
 from streamrl.core.algorithms import offpolicy
 from streamrl.core.algorithms.objective import LossInputs, RLConfig, micro_batch_loss
@@ -38,57 +46,7 @@ log = logging.getLogger(__name__)
 
 def init_single_process(seed: int = 0) -> None:
     """torch.distributed (gloo, world size 1) + megatron parallel state + CPU patches."""
-    init_distributed(rank=0, world_size=1, tp=1, seed=seed)
-
-
-def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, port: int = 0,
-                     listen_fd: int | None = None) -> None:
-    """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
-    with tensor parallel size `tp` (data parallel = world_size / tp), CPU patches, seeds.
-    The store is served by rank 0 on 127.0.0.1 (connectors/ports.py): on a socket it inherited
-    (`listen_fd`, bound to `port` by whoever started the ranks) or, alone, on one of its own;
-    the other ranks connect to `port`."""
-    import torch.distributed as dist
-
-    from streamrl.connectors import megatron_cpu
-    from streamrl.connectors.ports import tcp_store
-
-    megatron_cpu.apply()
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = tcp_store(world_size, rank=rank, port=port, listen_fd=listen_fd)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:
-        megatron_cpu.seed_cpu(seed)
-
-
-class _GatherVocab(torch.autograd.Function):
-    """All-gather vocab shards of the logits. Every tensor-parallel rank then computes the same
-    loss, so the gradient of a rank's own shard is just its slice (no reduction, which would
-    count the loss once per rank)."""
-
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
-        parts = [torch.empty_like(shard) for _ in range(ctx.size)]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
+    init_distributed(rank=0, world_size=1, tp=1, pp=1, seed=seed)
 
 
 @dataclass
@@ -108,7 +66,7 @@ class MegatronLearner:
                  warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False) -> None:
         from streamrl.connectors.mcore_model import load_model
 
-        self.model, self.bridge = load_model(model_dir)
+        self.model, self.bridge = load_model(model_dir)  # with pp > 1: this stage's chunk
         self.ref = load_model(model_dir)[0].eval() if with_reference else None
         if self.ref is not None:
             for p in self.ref.parameters():
@@ -122,20 +80,36 @@ class MegatronLearner:
         self.version = 0  # +1 per SFT step and per claimed RL batch (however many optimizer steps it took)
         self.nonfinite_skipped = 0  # optimizer steps skipped for a non-finite loss or gradient norm, so far
         self.device = next(self.model.parameters()).device
-        from megatron.core import parallel_state as mpu
-
-        self.tp, self.tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
-        self.dp, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-        self.dp_group = mpu.get_data_parallel_group()
+        self.par = Parallel()
+        self.tp, self.pp, self.dp = self.par.tp, self.par.pp, self.par.dp
 
     # ------------------------------------------------------------ pieces
 
+    def _logp(self, logits: torch.Tensor, batch: TokenBatch, temperature: float,
+              with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return logprobs_and_entropy(self.par.gather_vocab(logits), batch.ids, temperature, with_entropy)
+
     def _forward(self, model: Any, batch: TokenBatch, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = model(batch.ids, batch.positions, batch.attn_mask)
-        if self.tp > 1:  # the output layer is vocab-parallel: gather the full vocabulary
-            logits = _GatherVocab.apply(logits, self.tp_group)
-        return logprobs_and_entropy(logits, batch.ids, temperature, with_entropy)
+        """The whole model's log-probs (pp = 1 only: a stage alone has no logits)."""
+        return self._logp(model(batch.ids, batch.positions, batch.attn_mask), batch, temperature, with_entropy)
+
+    def _logprobs(self, model: Any, batches: Sequence[TokenBatch], temperature: float,
+                  every_stage: bool) -> list[torch.Tensor | None]:
+        """Log-probs [B, T-1] of each batch's targets, no grad, through the pipeline: on the last
+        stage, and on every stage with `every_stage` (else None elsewhere)."""
+        def step(chunk: Any, i: int) -> tuple[torch.Tensor, None]:
+            b = batches[i]
+            out = chunk(b.ids, b.positions, b.attn_mask)
+            return (self._logp(out, b, temperature)[0] if self.par.last_stage else out), None
+
+        with torch.no_grad():
+            got = self.par.run_schedule(model, batches, step, forward_only=True)
+        if not every_stage:
+            return list(got) if self.par.last_stage else [None] * len(batches)
+        if not self.par.last_stage:
+            got = [torch.zeros_like(b.resp_mask) for b in batches]
+        return list(self.par.from_last_stage(got))
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[list[Sample]]:
         """Whole groups per micro-batch, about `micro_batch_size` rows each."""
@@ -158,46 +132,22 @@ class MegatronLearner:
             out[index[s.group]].append(s)
         return out
 
-    def _reduce_grads_and_norm(self) -> float:
-        """Global L2 norm over all ranks' gradients. Tensor-parallel shards are summed across the
-        TP group; replicated parameters (norms) count once; after the DP all-reduce every
-        data-parallel rank holds the same gradients."""
-        import torch.distributed as dist
-
-        if self.dp > 1:
-            for p in self.params:
-                if p.grad is None:  # a rank with no rows in this step still joins every all-reduce
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.dp_group)  # losses are pre-weighted: a sum is the full-batch grad
-        # On the parameters' device: NCCL reduces device tensors only, and one sync at the end
-        # beats a host copy per parameter.
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.params:
-            if p.grad is None:
-                continue
-            sq = p.grad.double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.tp > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        return float((sharded + replicated).sqrt())
-
-    def _shard(self, items: Sequence[Any], key: Any) -> list[Any]:
-        """This data-parallel rank's share: whole groups (by `key`), round robin."""
+    def _dp_share(self, items: Sequence[Any], key: Any, tokens: Any) -> list[Any]:
+        """This data-parallel rank's share of `items`: whole groups (by `key`), spread over the
+        ranks balanced by their token counts (`tokens(item)`), in batch order."""
         if self.dp == 1:
             return list(items)
-        keys = sorted({key(x) for x in items})
-        mine = set(keys[self.dp_rank::self.dp])
-        return [x for x in items if key(x) in mine]
+        size: dict[Any, int] = {}
+        for x in items:
+            size[key(x)] = size.get(key(x), 0) + tokens(x)
+        part = dict(zip(size, balanced_split(list(size.values()), self.dp)))
+        return [x for x in items if part[key(x)] == self.par.dp_rank]
 
     def _optimizer_step(self, loss: float) -> dict[str, Any]:
         """Clip by global norm and step, unless the loss (summed over ranks) or the gradient norm
         is not finite: then the gradients are dropped and the weights, the optimizer's moments and
         the LR schedule stay exactly as they were (counted in `nonfinite_skipped`)."""
-        norm = self._reduce_grads_and_norm()
+        norm = self.par.reduce_grads_and_norm(self.params)
         lr = self.opt.param_groups[0]["lr"]
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.opt.zero_grad(set_to_none=True)
@@ -221,80 +171,93 @@ class MegatronLearner:
         """Cross-entropy on response tokens (token mean over the whole batch)."""
         self.model.train()
         total = sum(len(r) for _, r in rows)
-        rows = [r for _, r in self._shard(list(enumerate(rows)), key=lambda x: x[0])]
-        loss_sum = 0.0
-        for i in range(0, len(rows), self.micro_batch_size):
-            b = TokenBatch(rows[i: i + self.micro_batch_size]).to(self.device)
-            logp, _ = self._forward(self.model, b, 1.0)
-            loss = -(logp * b.resp_mask).sum() / total
-            loss.backward()
-            loss_sum += float(loss.detach())
-        loss_sum = self._dp_sum(loss_sum)
-        step = self._optimizer_step(loss_sum)
+        rows = [r for _, r in self._dp_share(list(enumerate(rows)), key=lambda x: x[0],
+                                             tokens=lambda x: len(x[1][0]) + len(x[1][1]))]
+        batches = [TokenBatch(rows[i: i + self.micro_batch_size]).to(self.device)
+                   for i in range(0, len(rows), self.micro_batch_size)]
+
+        def step(chunk: Any, i: int) -> tuple[torch.Tensor, Any]:
+            b = batches[i]
+            out = chunk(b.ids, b.positions, b.attn_mask)
+            if not self.par.last_stage:
+                return out, None
+
+            def loss_fn(_: Any) -> tuple[torch.Tensor, float]:
+                loss = -(self._logp(out, b, 1.0)[0] * b.resp_mask).sum() / total
+                return loss, float(loss.detach())
+
+            return out, loss_fn
+
+        losses = self.par.run_schedule(self.model, batches, step, forward_only=False)
+        loss_sum = self.par.dp_sum(self.par.floats_from_last_stage([sum(losses)])[0])
+        step_out = self._optimizer_step(loss_sum)
         self.version += 1
-        return {"loss": loss_sum, "grad_norm": step["grad_norm"], "lr": step["lr"],
-                "nonfinite_skipped": int(step["skipped"] == "nonfinite")}
+        return {"loss": loss_sum, "grad_norm": step_out["grad_norm"], "lr": step_out["lr"],
+                "nonfinite_skipped": int(step_out["skipped"] == "nonfinite")}
 
-    def _dp_sum(self, x: float, op: str = "sum") -> float:
-        if self.dp == 1:
-            return x
-        import torch.distributed as dist
+    def _prepare(self, mbs: Sequence[Sequence[Sample]], cfg: RLConfig
+                 ) -> tuple[list[tuple[TokenBatch, LossInputs]], list[dict[str, float]]]:
+        """Micro-batches' tensors, taken before the batch's first optimizer step: proximal (and,
+        on the last stage, reference) log-probs, advantages, and the off-policy correction's loss
+        mask and weights; with the correction's counts for the step's metrics."""
+        batches = [TokenBatch([(s.prompt, s.response) for s in mb]).to(self.device) for mb in mbs]
+        proxs = self._logprobs(self.model, batches, cfg.temperature, every_stage=True)
+        refs: list[torch.Tensor | None] = [None] * len(batches)
+        if cfg.kl_coef > 0:
+            assert self.ref is not None, "kl_coef > 0 needs a reference model (with_reference=True)"
+            refs = self._logprobs(self.ref, batches, cfg.temperature, every_stage=False)
+        out, counts = [], []
+        for mb, b, prox, ref in zip(mbs, batches, proxs, refs):
+            prox = prox * b.resp_mask  # type: ignore[operator]
+            ref = ref * b.resp_mask if ref is not None else None
+            mask = b.resp_mask * b.scatter([s.loss_mask if s.loss_mask is not None else [1] * len(s.response)
+                                            for s in mb])
+            behav = None
+            if all(s.rollout_logprobs is not None for s in mb):
+                behav = b.scatter([s.rollout_logprobs for s in mb])  # type: ignore[misc]
+            c = offpolicy.correct(cfg.off_policy, prox, behav, mask, **cfg.correction)
+            adv = alg.tokens_from_samples(torch.tensor([s.advantage for s in mb], device=self.device), b.resp_mask)
+            groups = torch.tensor([s.group for s in mb], device=self.device)
+            out.append((b, LossInputs(mask=c.mask, adv=adv, prox=prox, groups=groups, share=0.0, weight=c.weight,
+                                      ref=ref)))
+            counts.append(offpolicy.sums(prox, behav, mask, c))
+        return out, counts
 
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM, group=self.dp_group)
-        return float(t)
-
-    def _dp_max(self, x: float) -> float:
-        return -self._dp_sum(-x, op="min") if self.dp > 1 else x
-
-    def _prepare(self, mb: Sequence[Sample], cfg: RLConfig) -> tuple[TokenBatch, LossInputs, dict[str, float]]:
-        """A micro-batch's tensors, taken before the batch's first optimizer step: proximal (and
-        reference) log-probs, advantages, and the off-policy correction's loss mask and weights;
-        with the correction's counts for the step's metrics."""
-        b = TokenBatch([(s.prompt, s.response) for s in mb]).to(self.device)
-        with torch.no_grad():
-            prox = self._forward(self.model, b, cfg.temperature)[0] * b.resp_mask
-            ref = None
-            if cfg.kl_coef > 0:
-                assert self.ref is not None, "kl_coef > 0 needs a reference model (with_reference=True)"
-                ref = self._forward(self.ref, b, cfg.temperature)[0] * b.resp_mask
-        mask = b.resp_mask * b.scatter([s.loss_mask if s.loss_mask is not None else [1] * len(s.response)
-                                        for s in mb])
-        behav = None
-        if all(s.rollout_logprobs is not None for s in mb):
-            behav = b.scatter([s.rollout_logprobs for s in mb])  # type: ignore[misc]
-        c = offpolicy.correct(cfg.off_policy, prox, behav, mask, **cfg.correction)
-        adv = alg.tokens_from_samples(torch.tensor([s.advantage for s in mb], device=self.device), b.resp_mask)
-        groups = torch.tensor([s.group for s in mb], device=self.device)
-        x = LossInputs(mask=c.mask, adv=adv, prox=prox, groups=groups, share=0.0, weight=c.weight, ref=ref)
-        return b, x, offpolicy.sums(prox, behav, mask, c)
+    _SUMS = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac")
 
     def _train_mini_batch(self, mini: list[tuple[TokenBatch, LossInputs]], cfg: RLConfig) -> dict[str, Any]:
         """One optimizer step on a mini-batch (this rank's micro-batches of it). Each micro-batch's
         loss is weighted by its share of the aggregation units of the whole mini-batch over all
         ranks, so the step is the gradient of the full mini-batch's aggregate."""
         units = [alg.aggregation_units(x.mask, cfg.loss_agg, x.groups) for _, x in mini]  # type: ignore[arg-type]
-        total = self._dp_sum(sum(units))
-        tokens = self._dp_sum(sum(float(x.mask.sum()) for _, x in mini))
-        st = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac", "ratio_max"), 0.0)
+        total = self.par.dp_sum(sum(units))
+        tokens = self.par.dp_sum(sum(float(x.mask.sum()) for _, x in mini))
+        st = dict.fromkeys((*self._SUMS, "ratio_max"), 0.0)
         if total == 0:  # nothing in the loss; Adam's momentum alone would still move the weights
             return {**st, "grad_norm": 0.0, "lr": self.opt.param_groups[0]["lr"], "skipped": "empty"}
-        for (b, x), u in zip(mini, units):
-            if u == 0:
-                continue
+        todo = [(b, x) for (b, x), u in zip(mini, units) if u > 0]
+        for (_, x), u in zip(todo, [u for u in units if u > 0]):
             x.share = u / total
-            logp, ent = self._forward(self.model, b, cfg.temperature, with_entropy=True)
-            loss, parts = micro_batch_loss(logp, ent, x, cfg)  # type: ignore[arg-type]
-            loss.backward()
+
+        def step(chunk: Any, i: int) -> tuple[torch.Tensor, Any]:
+            b, x = todo[i]
+            out = chunk(b.ids, b.positions, b.attn_mask)
+            if not self.par.last_stage:
+                return out, None
+            return out, lambda _: micro_batch_loss(*self._logp(out, b, cfg.temperature, True), x, cfg)  # type: ignore[arg-type]
+
+        parts = self.par.run_schedule(self.model, [b for b, _ in todo], step, forward_only=False)
+        for (_, x), p in zip(todo, parts):  # the last stage's numbers (no parts elsewhere)
             for k in ("loss", "pg_loss", "kl", "entropy"):
-                st[k] += float(parts[k]) * x.share
+                st[k] += float(p[k]) * x.share
             tok_share = float(x.mask.sum()) / tokens
-            st["ratio_mean"] += float(parts["ratio_mean"]) * tok_share
-            st["clip_frac"] += float(parts["clip_frac"]) * tok_share
-            st["ratio_max"] = max(st["ratio_max"], float(parts["ratio_max"]))
-        for k in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac"):
-            st[k] = self._dp_sum(st[k])
-        st["ratio_max"] = self._dp_max(st["ratio_max"])
+            st["ratio_mean"] += float(p["ratio_mean"]) * tok_share
+            st["clip_frac"] += float(p["clip_frac"]) * tok_share
+            st["ratio_max"] = max(st["ratio_max"], float(p["ratio_max"]))
+        st = dict(zip(st, self.par.floats_from_last_stage(list(st.values()))))
+        for k in self._SUMS:
+            st[k] = self.par.dp_sum(st[k])
+        st["ratio_max"] = self.par.dp_max(st["ratio_max"])
         return {**st, **self._optimizer_step(st["loss"])}
 
     def rl_step(self, samples: Sequence[Sample], cfg: RLConfig) -> dict[str, Any]:
@@ -305,19 +268,17 @@ class MegatronLearner:
         version moves by one per claimed batch, however many optimizer steps it took: versions
         count what the broadcaster publishes and what staleness is measured in."""
         self.model.train()
-        minis = [self._shard(m, key=lambda s: s.group) for m in self._mini_batches(samples, cfg.mini_batches)]
+        minis = [self._dp_share(m, key=lambda s: s.group, tokens=lambda s: len(s.prompt) + len(s.response))
+                 for m in self._mini_batches(samples, cfg.mini_batches)]
         prepared: list[list[tuple[TokenBatch, LossInputs]]] = []
         counts: list[dict[str, float]] = []
         for m in minis:
-            prepared.append([])
-            for mb in self._micro_batches(m):
-                b, x, c = self._prepare(mb, cfg)
-                prepared[-1].append((b, x))
-                counts.append(c)
+            mini, c = self._prepare(self._micro_batches(m), cfg)
+            prepared.append(mini)
+            counts += c
         steps = [self._train_mini_batch(mini, cfg) for _ in range(cfg.epochs) for mini in prepared]
         self.version += 1
-        out: dict[str, Any] = {k: sum(s[k] for s in steps) / len(steps)
-                               for k in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac", "grad_norm")}
+        out: dict[str, Any] = {k: sum(s[k] for s in steps) / len(steps) for k in (*self._SUMS, "grad_norm")}
         out |= {"ratio_max": max(s["ratio_max"] for s in steps), "lr": steps[-1]["lr"],
                 "optimizer_steps": sum(s["skipped"] is None for s in steps),
                 "nonfinite_skipped": sum(s["skipped"] == "nonfinite" for s in steps),
@@ -327,11 +288,18 @@ class MegatronLearner:
         return out | self._offpolicy_metrics(counts, with_ratio=all(s.rollout_logprobs is not None for s in samples))
 
     def _offpolicy_metrics(self, counts: list[dict[str, float]], with_ratio: bool) -> dict[str, float]:
-        total = {k: self._dp_sum(sum(c[k] for c in counts)) for k in offpolicy.SUM_KEYS}
-        total |= {k: self._dp_max(max((c[k] for c in counts), default=0.0)) for k in offpolicy.MAX_KEYS}
+        total = {k: self.par.dp_sum(sum(c[k] for c in counts)) for k in offpolicy.SUM_KEYS}
+        total |= {k: self.par.dp_max(max((c[k] for c in counts), default=0.0)) for k in offpolicy.MAX_KEYS}
         return offpolicy.metrics(total, with_ratio)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model under HF names, on every rank (collective over the model-parallel
+        group: TP shards and PP stages are gathered); tensors on the parameters' device."""
         from streamrl.connectors.mcore_model import hf_state_dict
 
         return hf_state_dict(self.model, self.bridge)
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's parameters and optimizer state (what parallelism divides)."""
+        tensors = [*self.params, *(t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t))]
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -57,6 +57,8 @@ def make_bridge(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> An
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
     if not _has_te():
         cfg.sequence_parallel = False  # mbridge turns it on with TP; it needs TE/Apex norms
+    cfg.variable_seq_lengths = True  # micro-batches are padded to their own longest row: pipeline
+    # stages exchange each activation's shape before it (only pp > 1 sends anything)
     return bridge
 
 
@@ -77,8 +79,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tup
 
 
 def hf_state_dict(model: Any, bridge: Any) -> dict[str, torch.Tensor]:
-    """The model's weights under HF names (gathered across tensor parallel ranks). Without grad:
-    mbridge broadcasts the parameters themselves, an in-place op autograd refuses on a leaf that
-    requires grad whenever the backend copies (gloo with CUDA tensors)."""
+    """The whole model's weights under HF names, on every rank: mbridge's export gathers TP
+    shards and broadcasts each PP stage's tensors to the other stages, so every rank of the
+    model-parallel group must call it. Each tensor goes to host memory as it comes: a second whole
+    copy of the model on the GPU would not fit beside a large one (the NCCL weight push moves
+    buckets to the GPU as it sends them, connectors/weight_sync.py). With tied embeddings and
+    pp > 1 the last stage's copy of the embedding comes under the same HF name as the first
+    stage's (equal values: their gradients are summed). Without grad: mbridge broadcasts the
+    parameters themselves, an in-place op autograd refuses on a leaf that requires grad
+    whenever the backend copies (gloo with CUDA tensors)."""
     with torch.no_grad():
         return {name: t.detach().cpu() for name, t in bridge.export_weights([model])}

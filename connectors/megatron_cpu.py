@@ -11,6 +11,14 @@ Covered (FACTS.md, "megatron-core 0.16.1 on CPU"):
   fused softmax when no mask is passed);
 - the tensor-parallel RNG tracker reads `torch.cuda.get_rng_state`: seed with
   `seed_cpu(seed)` (a tracker that forks nothing; the RL learner uses no dropout).
+Pipeline parallelism (`get_forward_backward_func` with pp > 1) adds:
+- `pipeline_parallel.schedules` counts tokens in `torch.zeros(..., device="cuda")`;
+- `pipeline_parallel.p2p_communication` allocates receive buffers and shape messages on
+  `torch.cuda.current_device()` and calls `torch.cuda.synchronize()` after batched p2p;
+- `LanguageModule.setup_embeddings_and_output_layer` moves the last stage's copy of tied
+  embeddings with `.cuda()` before the all-reduce that initialises it (once, at build);
+- mbridge's `broadcast_from_megatron_pp` (its weight export across stages) allocates the
+  receiving tensor on `torch.cuda.current_device()`.
 """
 
 from __future__ import annotations
@@ -31,16 +39,45 @@ class _CpuCuda:
     def current_device() -> str:
         return "cpu"
 
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """Nothing to wait for: CPU collectives complete before they return."""
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
 
 
 def _torch_on_cpu() -> types.ModuleType:
-    """A view of `torch` whose `.cuda.current_device()` is "cpu", for module globals."""
+    """A view of `torch` whose `.cuda.current_device()` is "cpu" (and whose `zeros` puts a
+    tensor asked for on "cuda" on the CPU), for module globals."""
     proxy = types.ModuleType("torch_on_cpu")
     proxy.__dict__.update({k: v for k, v in torch.__dict__.items() if not k.startswith("__")})
     proxy.cuda = _CpuCuda()  # type: ignore[attr-defined]
+
+    def zeros(*size: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+        return torch.zeros(*size, device="cpu" if str(device).startswith("cuda") else device, **kw)
+
+    proxy.zeros = zeros  # type: ignore[attr-defined]
     return proxy
+
+
+class _TensorCudaIsCpu(torch.overrides.TorchFunctionMode):
+    """`tensor.cuda()` returns the tensor itself. Active only around a patched call, never
+    during training (a mode sees every op)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _cuda_is_cpu(fn: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _TensorCudaIsCpu():
+            return fn(*args, **kwargs)
+
+    wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapped
 
 
 def _causal_mask_cpu(sq: int) -> torch.Tensor:
@@ -63,16 +100,25 @@ def apply(force: bool = False) -> bool:
     if _applied or (torch.cuda.is_available() and not force):
         return _applied
     check_version()
+    import mbridge.core.util as mbridge_util
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.transformer.utils as tutils
     import megatron.core.utils as mutils
+    from megatron.core.models.common.language_module.language_module import LanguageModule
 
     cpu_torch = _torch_on_cpu()
     rope.torch = cpu_torch  # get_emb: inv_freq.to(torch.cuda.current_device())
     mutils.torch = cpu_torch  # GlobalMemoryBuffer.get_tensor: torch.empty(device=current_device())
     tutils.get_default_causal_mask = _causal_mask_cpu
     fused_softmax.get_default_causal_mask = _causal_mask_cpu  # imported by name there
+    schedules.torch = cpu_torch  # total_num_tokens = torch.zeros([], ..., device="cuda")
+    p2p.torch = cpu_torch  # receive buffers on current_device(); synchronize() after batched p2p
+    mbridge_util.torch = cpu_torch  # broadcast_from_megatron_pp: torch.empty(device=current_device())
+    LanguageModule.setup_embeddings_and_output_layer = _cuda_is_cpu(  # weight.data.cuda() (pp > 1, tied)
+        LanguageModule.setup_embeddings_and_output_layer)
     _applied = True
     return True
 

@@ -153,13 +153,17 @@ def broadcast(group: Any, tensors: list[torch.Tensor], bucketed: bool = False,
     """Trainer side: send the tensors to every engine, in the order of the names sent over HTTP:
     one broadcast each (SGLang's default load_format) or, `bucketed`, one per `plan_buckets`
     bucket (the receivers were sent load_format BUCKET_FORMAT). Sender and receivers must agree:
-    gloo aborts the process on a size mismatch."""
+    gloo aborts the process on a size mismatch. An NCCL group sends device memory only: host
+    tensors (the learner's published copy lives on the host, not beside the model on its GPU)
+    go to the GPU a bucket at a time."""
+    device = "cuda" if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else None
     if not bucketed:
         for t in tensors:
-            group.broadcast([t.contiguous()], _from_rank0()).wait()
+            group.broadcast([t.contiguous().to(device) if device else t.contiguous()], _from_rank0()).wait()
         return
     for b in plan_buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], max_bytes):
-        group.broadcast([flatten([tensors[i] for i in b])], _from_rank0()).wait()
+        flat = flatten([tensors[i] for i in b])
+        group.broadcast([flat.to(device) if device else flat], _from_rank0()).wait()
 
 
 def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],

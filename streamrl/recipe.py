@@ -166,14 +166,23 @@ class PoolCfg(_Cfg):
     compact_every: NonNegInt = 64  # compact once this many fragments accumulate; 0 = never
 
 
+class ParallelCfg(_Cfg):
+    """The learner's Megatron layout: tp * pp * dp ranks, one Ray actor each (one GPU each on GPU)."""
+
+    tp: PosInt = 1  # tensor parallel: attention heads, MLP and vocabulary split over tp ranks
+    pp: PosInt = 1  # pipeline parallel: the layers split into pp stages (1F1B over micro-batches)
+    dp: PosInt | Literal["auto"] = 1  # data parallel replicas; auto = learner.num_gpus / (tp * pp), 1 on CPU
+
+
 class LearnerCfg(_Cfg):
     """Optimisation and the RL objective (formulas: streamrl/core/algorithms/)."""
 
+    parallel: ParallelCfg = msgspec.field(default_factory=ParallelCfg)
     lr: PosFloat = 1e-5
     warmup_steps: NonNegInt = 0
     threads: PosInt = 1  # torch CPU threads of the learner process
-    num_gpus: NonNegInt = 0  # GPUs for the learner actor (1 on a GPU node)
-    cpus: list[NonNegInt] = []  # pin the learner process to these cores (Linux); empty = no pinning
+    num_gpus: NonNegInt = 0  # GPUs for the whole learner (one per rank: tp * pp * dp); 0 = CPU
+    cpus: list[NonNegInt] = []  # pin the learner to these cores (Linux; rank r takes cpus[r::ranks]); empty = no pinning
     micro_batch_size: PosInt = 8
     grad_clip: PosFloat = 1.0
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
@@ -462,9 +471,60 @@ def _learner_conflicts(r: Recipe) -> list[tuple[str, str]]:
             key = low if getattr(lc, low) is not None else high  # the one the recipe set
             out.append((f"learner.{key}", f"the band [{low} {used[low]}, {high} {used[high]}] is empty: "
                                           f"{low} must be below {high}"))
+    out += _parallel_conflicts(r)
     if lc.mini_batches > r.rollout.groups_per_step:
         out.append(("learner.mini_batches", f"{lc.mini_batches} exceeds rollout.groups_per_step "
                                             f"{r.rollout.groups_per_step}: each mini-batch holds whole groups"))
+    return out
+
+
+def learner_layout(r: Recipe) -> tuple[int, int, int]:
+    """(tp, pp, dp) of the learner, `dp: auto` resolved (the recipe was validated)."""
+    p = r.learner.parallel
+    dp = p.dp if p.dp != "auto" else max(1, r.learner.num_gpus // (p.tp * p.pp))
+    return p.tp, p.pp, dp
+
+
+def _model_shape(r: Recipe) -> dict[str, Any] | None:
+    """The model's config.json (or the preset model.init will build), None when neither is there yet."""
+    import json
+
+    cfg = Path(r.model.path) / "config.json"
+    if cfg.exists():
+        try:
+            return dict(json.loads(cfg.read_text()))
+        except (OSError, ValueError):
+            return None  # the run reports an unreadable model directory itself
+    if r.model.init is not None:
+        from streamrl.connectors.model_kit import PRESETS
+
+        return dict(PRESETS[r.model.init.preset])
+    return None
+
+
+def _parallel_conflicts(r: Recipe) -> list[tuple[str, str]]:
+    """A layout the GPUs or the model cannot hold: ranks != learner GPUs, or heads, KV heads, MLP
+    width or layers that do not divide by tp or pp."""
+    lc, out = r.learner, []
+    p = lc.parallel
+    if p.dp == "auto" and lc.num_gpus and lc.num_gpus % (p.tp * p.pp):
+        out.append(("learner.parallel.dp", f"auto needs learner.num_gpus ({lc.num_gpus}) to be a multiple of "
+                                           f"tp * pp = {p.tp * p.pp}"))
+    tp, pp, dp = learner_layout(r)
+    if lc.num_gpus and lc.num_gpus != tp * pp * dp:
+        out.append(("learner.num_gpus", f"{lc.num_gpus} GPUs but learner.parallel asks for tp {tp} x pp {pp} x dp {dp} "
+                                        f"= {tp * pp * dp} ranks (one GPU each); make them equal or set dp: auto"))
+    shape = _model_shape(r)
+    if shape is None:
+        return out
+    heads = shape.get("num_attention_heads", 1)
+    for key, size, what in (("tp", tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size")),
+                            ("pp", pp, ("num_hidden_layers",))):
+        for field in what:
+            n = shape.get(field, heads if field == "num_key_value_heads" else None)
+            if n is not None and n % size:
+                out.append((f"learner.parallel.{key}", f"{size} does not divide the model's {field} ({n}, "
+                                                       f"{r.model.path}); choose a divisor of {n}"))
     return out
 
 
@@ -476,7 +536,9 @@ def learner_summary(r: Recipe) -> str:
     keys = ", ".join(f"{k} {v}" for k, v in offpolicy.params(chosen, lc).items())
     auto = f" (auto, for run.mode {r.run.mode})" if lc.off_policy == "auto" else ""
     steps = lc.mini_batches * lc.epochs
-    return (f"off-policy correction {chosen}{auto}{': ' + keys if keys else ''}; {steps} optimizer step"
+    tp, pp, dp = learner_layout(r)
+    layout = f"{tp * pp * dp} ranks (tp {tp} x pp {pp} x dp {dp}); " if tp * pp * dp > 1 else ""
+    return (f"{layout}off-policy correction {chosen}{auto}{': ' + keys if keys else ''}; {steps} optimizer step"
             f"{'s' if steps > 1 else ''} per claimed batch ({lc.mini_batches} mini-batch(es) x {lc.epochs} epoch(s))")
 
 

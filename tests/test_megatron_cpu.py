@@ -24,6 +24,16 @@ def test_pinned_megatron_version() -> None:
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_emb", "torch.cuda.current_device()"),
     ("megatron.core.utils", "GlobalMemoryBuffer.get_tensor", "torch.cuda.current_device()"),
     ("megatron.core.transformer.utils", "get_default_causal_mask", 'device="cuda"'),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
+     'torch.zeros([], dtype=torch.int, device="cuda")'),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
+     'torch.zeros([], dtype=torch.int, device="cuda")'),
+    ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate", "torch.cuda.current_device()"),
+    ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate_shapes",
+     "torch.cuda.synchronize()"),
+    ("megatron.core.models.common.language_module.language_module",
+     "LanguageModule.setup_embeddings_and_output_layer", "weight.data.cuda()"),
+    ("mbridge.core.util", "broadcast_from_megatron_pp", "torch.cuda.current_device()"),
 ])
 def test_patched_spots_still_hard_code_cuda(module: str, name: str, needle: str) -> None:
     """If this fails, megatron-core changed the spot: re-check connectors/megatron_cpu.py."""
@@ -32,7 +42,30 @@ def test_patched_spots_still_hard_code_cuda(module: str, name: str, needle: str)
     obj = importlib.import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
+    obj = inspect.unwrap(obj)  # apply() wraps setup_embeddings_and_output_layer
     assert needle in inspect.getsource(obj), f"{module}.{name} no longer contains {needle!r}"
+
+
+def test_cpu_views_of_torch_redirect_only_cuda() -> None:
+    """What the patched modules see: `torch.zeros(device="cuda")` and `current_device()` land on
+    the CPU, `synchronize()` is a no-op, everything else is torch; `.cuda()` is the identity only
+    inside the wrapped call."""
+    import torch
+
+    view = megatron_cpu._torch_on_cpu()
+    assert view.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert view.zeros(2, 3).shape == (2, 3) and view.zeros(2, device="cpu").device.type == "cpu"
+    assert view.cuda.current_device() == "cpu" and view.cuda.synchronize() is None
+    assert view.empty is torch.empty and view.distributed is torch.distributed
+
+    def moves(t: torch.Tensor) -> torch.Tensor:
+        return t.cuda() + 1
+
+    wrapped = megatron_cpu._cuda_is_cpu(moves)
+    assert torch.equal(wrapped(torch.ones(2)), torch.full((2,), 2.0)) and wrapped.__wrapped__ is moves
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):  # outside the wrapper .cuda() still fails
+            moves(torch.ones(2))
 
 
 SCRIPT = textwrap.dedent("""

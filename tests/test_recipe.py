@@ -26,6 +26,8 @@ from streamrl.recipe import (
     StalenessCfg,
     apply_overrides,
     dump_recipe,
+    learner_layout,
+    learner_summary,
     load_recipe,
     parse_recipe,
     resolve_fn,
@@ -434,7 +436,6 @@ def test_learner_section_maps_onto_the_rl_objective():
 def test_off_policy_auto_corrects_stale_modes(overrides, chosen):
     from streamrl.core.algorithms import RLConfig
     from streamrl.core.staleness import mode_bound
-    from streamrl.recipe import learner_summary
 
     r = load_recipe(QUICKSTART, overrides)
     assert r.learner.off_policy == ("auto" if not any("off_policy" in o for o in overrides) else chosen)
@@ -455,11 +456,36 @@ def test_off_policy_auto_corrects_stale_modes(overrides, chosen):
     (["learner.decoupled_cap=1"], "learner.decoupled_cap", "> 1.0"),
     (["learner.off_policy=reweight"], "learner.off_policy", "choose one of 'auto', 'none', 'tis', 'tis_seq', 'mis'"),
     (["learner.epochs=0"], "learner.epochs", ">= 1"),
+    (["learner.parallel.tp=3"], "learner.parallel.tp", "3 does not divide the model's num_attention_heads (4"),
+    (["learner.parallel.tp=4"], "learner.parallel.tp", "4 does not divide the model's num_key_value_heads (2"),
+    (["learner.parallel.pp=4"], "learner.parallel.pp", "4 does not divide the model's num_hidden_layers (2"),
+    (["learner.parallel.dp=0"], "learner.parallel.dp", ">= 1"),
+    (["learner.parallel.dp=some"], "learner.parallel.dp", "some"),
+    (["learner.parallel.tp=2", "learner.num_gpus=4"], "learner.num_gpus", "tp 2 x pp 1 x dp 1 = 2 ranks"),
+    (["learner.parallel.tp=2", "learner.num_gpus=3", "learner.parallel.dp=auto"], "learner.parallel.dp",
+     "learner.num_gpus (3) to be a multiple of tp * pp = 2"),
 ])
 def test_inconsistent_learner_settings_name_the_key(overrides, key, fragment):
     msg = _error(QUICKSTART, overrides)
     assert f": {key}: " in msg and fragment in msg, msg
     assert msg.startswith("override '"), msg  # located at the override that set it
+
+
+def test_parallel_layout_resolves_dp_auto_from_the_learner_gpus():
+    r = load_recipe(QUICKSTART, ["learner.parallel.tp=2", "learner.parallel.dp=auto", "learner.num_gpus=4"])
+    assert learner_layout(r) == (2, 1, 2)
+    assert learner_summary(r).startswith("4 ranks (tp 2 x pp 1 x dp 2); ")
+    assert learner_layout(load_recipe(QUICKSTART, ["learner.parallel.dp=auto"])) == (1, 1, 1)  # CPU: one replica
+
+
+def test_parallel_layout_is_checked_against_the_model_on_disk(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 6, '
+                                                '"intermediate_size": 96, "num_hidden_layers": 3}')
+    p = tmp_path / "r.yaml"
+    p.write_text(f"model:\n  path: {tmp_path / 'm'}\ndata:\n  path: d\nlearner:\n  parallel: {{tp: 4, pp: 3}}\n")
+    assert _error(p).startswith(f"{p}:6: learner.parallel.tp: 4 does not divide the model's num_attention_heads (6")
+    assert learner_layout(load_recipe(p, ["learner.parallel.tp=3"])) == (3, 3, 1)
 
 
 def test_off_policy_keys_in_the_file_are_located_by_line(tmp_path):

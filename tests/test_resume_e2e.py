@@ -5,7 +5,7 @@ lost or trained on twice, and that groups saved as `partial` before the kill wer
 
 Moments: mid-broadcast (engines paused, new weights not yet pushed), mid-checkpoint (files
 written to the temporary directory, not yet renamed into place), and a random moment between
-steps. The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/runtime/faultpoint.py),
+steps, also with a tensor-parallel learner (two ranks, sharded checkpoints; replayed by one). The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/runtime/faultpoint.py),
 so the kill lands exactly there.
 """
 
@@ -55,7 +55,7 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("moment", ["publish:5", "checkpoint.files:2", "random", "sigint"])
+@pytest.mark.parametrize("moment", ["publish:5", "checkpoint.files:2", "random", "random-tp2", "sigint"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str) -> None:
     run_dir = tmp_path / "run"
@@ -66,12 +66,12 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         # (partial groups). With 48 tokens and 4 at a time, generation sometimes ran a step ahead
         # and a publish found nothing in flight.
         "rollout.max_new_tokens": 64, "rollout.groups_per_step": 3, "engines.max_running": 2,
-        "engines.weight_sync": "distributed"})
-    env = {} if moment in ("random", "sigint") else {"STREAMRL_FREEZE_AT": moment}
+        "engines.weight_sync": "distributed", **({"learner.parallel.tp": 2} if moment.endswith("tp2") else {})})
+    env = {} if moment.startswith("random") or moment == "sigint" else {"STREAMRL_FREEZE_AT": moment}
     proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
     if moment == "sigint":
         _wait_for(lambda: len(read_metrics(run_dir)) >= 3, "3 steps", proc, run_dir)
-    elif moment == "random":
+    elif moment.startswith("random"):
         _wait_for(lambda: len(read_metrics(run_dir)) >= 4, "4 steps", proc, run_dir)
         time.sleep(random.Random().uniform(0.0, 2.0))
     else:

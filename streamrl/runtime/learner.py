@@ -1,12 +1,14 @@
 """Learner driver: claims batches from the pool, trains the megatron learner, hands out weights.
 
-Runs as a Ray actor in a run (one process owns the model, the optimizer and the pool's claim
-side). `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
+Runs as one rank of the learner group in a run (streamrl/runtime/learner_group.py: tp * pp * dp
+Ray actors). Rank 0 owns the pool's claim side and the published weights; every rank trains its
+share. `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
 bound and consumption policy, turns them into learner rows (group advantages over the samples
 that were scored; failed samples are left out), trains on them (`learner.mini_batches` x
 `learner.epochs` optimizer steps, the off-policy correction applied) and returns the step's
 metrics, including which groups it used. The version it publishes is `learner.version`: one
-per claimed batch.
+per claimed batch. Rank 0 hands the batch's learner rows to the other ranks (msgpack over the
+group's gloo control group; no pickle), so they never read the pool.
 """
 
 from __future__ import annotations
@@ -133,13 +135,24 @@ class WeightSource:
 
 
 class LearnerDriver(WeightSource):
-    def __init__(self, recipe: Recipe, model_dir: str, pool: bool = True) -> None:
-        from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, init_single_process
+    def __init__(self, recipe: Recipe, model_dir: str, pool: bool = True, *, rank: int = 0,
+                 store_port: int = 0) -> None:
+        """One rank of the learner: `rank` of tp * pp * dp (learner.parallel), joining the
+        process group through the store at `store_port` (0: a single process serves its own)."""
+        import torch.distributed as dist
 
-        if recipe.learner.cpus:
-            os.sched_setaffinity(0, recipe.learner.cpus)
+        from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, init_distributed
+        from streamrl.recipe import learner_layout
+
+        tp, pp, dp = learner_layout(recipe)
+        self.rank, self.world = rank, tp * pp * dp
+        if recipe.learner.cpus:  # ranks share out the cores when there are enough, else share them all
+            os.sched_setaffinity(0, recipe.learner.cpus[rank::self.world] or recipe.learner.cpus)
         torch.set_num_threads(recipe.learner.threads)
-        init_single_process(recipe.run.seed)
+        init_distributed(rank, self.world, tp=tp, pp=pp, seed=recipe.run.seed, port=store_port)
+        # Batches travel on the host: a gloo group even where training runs on NCCL.
+        self._ctl = (dist.new_group(backend="gloo") if torch.cuda.is_available() else dist.group.WORLD) \
+            if self.world > 1 else None
         super().__init__(model_dir)
         lc = recipe.learner
         self.r = recipe
@@ -148,7 +161,7 @@ class LearnerDriver(WeightSource):
         self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature,
                                         mode_bound(recipe.run.mode, recipe.staleness.max_staleness))
         self.pool = None
-        if pool:
+        if pool and rank == 0:
             from streamrl.pools import LancePool
 
             self.pool = LancePool(recipe.pool_uri, commit_linger_ms=recipe.pool.commit_linger_ms,
@@ -158,6 +171,32 @@ class LearnerDriver(WeightSource):
         self._snapshot: dict[str, torch.Tensor] | None = None
         self.last_step = -1  # the learner step the current weights come from (-1: none yet)
         self._lock = threading.Lock()
+        self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        """The weights engines get, gathered from every rank's shards (collective); rank 0 keeps
+        the copy, so pushing and exporting never need the other ranks."""
+        from streamrl.connectors.weight_sync import pack
+
+        state = self.learner.hf_state_dict()
+        self._snapshot = pack(state) if self.rank == 0 else None
+
+    def _share(self, rows: list[Any] | None) -> list[Any] | None:
+        """Rank 0's learner rows (None: no batch) on every rank."""
+        if self.world == 1:
+            return rows
+        import msgspec
+        import torch.distributed as dist
+
+        from streamrl.connectors.mcore_learner import Sample
+
+        data = msgspec.msgpack.encode(rows) if self.rank == 0 else b""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(n, src=0, group=self._ctl)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
+            torch.empty(int(n), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self._ctl)
+        return msgspec.msgpack.decode(buf.numpy().tobytes(), type=list[Sample] | None)
 
     # ------------------------------------------------------------ SFT warm-start
 
@@ -182,6 +221,8 @@ class LearnerDriver(WeightSource):
         self.learner.nonfinite_skipped = 0  # the running count is of RL steps
         if self.learner.ref is not None:
             self.learner.ref.load_state_dict(self.learner.model.state_dict())
+        with self._lock:
+            self._take_snapshot()
         return losses
 
     # ------------------------------------------------------------ RL
@@ -196,6 +237,11 @@ class LearnerDriver(WeightSource):
         from streamrl.plugins.filters import top_by_reward_std
         from streamrl.runtime.evaluate import eval_due
 
+        if self.rank != 0:  # rank 0 claims and sends the rows
+            rows = self._share(None)
+            if rows is not None:
+                self._train(step, rows)
+            return None
         assert self.pool is not None
         ro, st = self.r.rollout, self.r.staleness
         k = math.ceil(ro.groups_per_step * ro.over_sampling)
@@ -211,34 +257,36 @@ class LearnerDriver(WeightSource):
             if batch is not None:
                 break
             if time.perf_counter() > deadline:
+                self._share(None)
                 return None
             time.sleep(0.05)
         wait_s = time.perf_counter() - t_wait
         batch.groups = batch_order(batch.groups)
-        m, rewards = self._train(step, batch.groups)
+        rows, rewards = learner_rows(batch.groups, self.r.learner.advantage)
+        m = self._train(step, self._share(rows) or [])
         if self.r.run.eval_mode == "background" and eval_due(self.r.run, self.version):
             assert self._snapshot is not None
             self._pinned[self.version] = self._snapshot  # kept whole until `export(..., version)` takes it
         return {"step": step, "policy_version": self.version, "wait_s": wait_s, **m, **batch_metrics(batch, rewards)}
 
-    def _train(self, step: int, groups: list[SampleGroup]) -> tuple[dict[str, Any], list[float]]:
-        from streamrl.connectors.weight_sync import pack
-
-        rows, rewards = learner_rows(groups, self.r.learner.advantage)
+    def _train(self, step: int, rows: list[Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         with self._lock:
             stats = self.learner.rl_step(rows, self.cfg) if rows else {}
             self.last_step = step
-            self._snapshot = pack(self.learner.hf_state_dict())  # a copy, laid out as the broadcast sends it
+            self._take_snapshot()  # a copy, laid out as the broadcast sends it
         train_s = time.perf_counter() - t0
         tokens = sum(len(r.response) for r in rows)
         return {"train_s": train_s, "train_tokens": tokens,
-                "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0, **stats}, rewards
+                "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0, **stats}
 
     def retrain(self, step: int, group_ids: list[str], max_staleness: int) -> dict[str, Any]:
         """Train on the groups a past step consumed, as that step did (resume, replay)."""
         from streamrl.core import staleness
 
+        if self.rank != 0:
+            self._train(step, self._share(None) or [])
+            return {}
         assert self.pool is not None
         groups = batch_order(self.pool.groups(group_ids))
         missing = set(group_ids) - {g.group_id for g in groups}
@@ -250,7 +298,8 @@ class LearnerDriver(WeightSource):
                 if staleness.decide(v, g.min_version if g.min_version is not None else v, max_staleness,
                                     "mask") == "mask":
                     staleness.mask_stale_tokens(g, v, max_staleness)
-        m, rewards = self._train(step, groups)
+        rows, rewards = learner_rows(groups, self.r.learner.advantage)
+        m = self._train(step, self._share(rows) or [])
         return {"step": step, "policy_version": self.version, "groups": [g.group_id for g in groups],
                 "samples": sum(len(g.samples) for g in groups),
                 "reward_mean": float(np.mean(rewards)) if rewards else float("nan"), **m}
@@ -268,7 +317,7 @@ class LearnerDriver(WeightSource):
             return None
         with self._lock:
             extra = load_checkpoint(self.learner, root, step=version)
-            self._snapshot = None
+            self._take_snapshot()
             self.last_step = int(extra.get("step", self.version - 1))
             self.learner.nonfinite_skipped = int(extra.get("nonfinite_skipped_total", 0))
         return extra
@@ -276,13 +325,9 @@ class LearnerDriver(WeightSource):
     # ------------------------------------------------------------ weights
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The newest published weights (HF names)."""
-        if self._snapshot is not None:
-            return self._snapshot
-        from streamrl.connectors.weight_sync import pack
-
-        with self._lock:
-            return pack(self.learner.hf_state_dict())
+        """The newest published weights (HF names); rank 0 holds them."""
+        assert self._snapshot is not None, "the published weights live on rank 0"
+        return self._snapshot
 
     def checkpoint(self, root: str, extra: dict[str, Any]) -> dict[str, Any]:
         """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step
@@ -306,13 +351,6 @@ class LearnerDriver(WeightSource):
             self.pool.close()
 
 
-def learner_actor(num_cpus: float = 1, num_gpus: float = 0) -> Any:
-    import ray
-
-    # Three threads: a weight push and an evaluation export run while the next step trains.
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_concurrency=3)(_ActorLearner)
-
-
 class _Weights:
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         self.state = state
@@ -330,17 +368,3 @@ def quiet_megatron() -> None:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
     warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
     hf_logging.disable_progress_bar()
-
-
-class _ActorLearner(LearnerDriver):
-    def __init__(self, recipe_json: bytes, model_dir: str, tokenizer_dir: str) -> None:
-        import msgspec
-
-        quiet_megatron()
-        super().__init__(msgspec.json.decode(recipe_json, type=Recipe), model_dir)
-        assert self.pool is not None
-        self.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it
-
-    def ping(self) -> int:
-        return self.version
-

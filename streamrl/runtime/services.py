@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shutil
 import time
@@ -20,7 +21,7 @@ import msgspec
 from streamrl.connectors.auth import Keys, write_private
 from streamrl.core.staleness import mode_bound
 from streamrl.core.types import RunCheckpointed, RunResumed
-from streamrl.recipe import Recipe, learner_summary
+from streamrl.recipe import Recipe, learner_layout, learner_summary
 from streamrl.runtime import RunFailed, faultpoint
 from streamrl.runtime.inputs import eval_records, prepare_inputs, sft_rows
 from streamrl.runtime.runlog import RunLog, now_ns, read_jsonl
@@ -61,14 +62,14 @@ class Services:
         from streamrl.connectors.launcher import EngineLauncher, RayUnavailable, ensure_ray
         from streamrl.connectors.router import Router
         from streamrl.runtime.broadcast import VersionBroadcaster
-        from streamrl.runtime.learner import learner_actor
+        from streamrl.runtime.learner_group import LearnerGroup
         from streamrl.runtime.rollout import worker_actor
 
         r = self.r
         prepare_inputs(r, self.log)
         self.tokenizer = AutoTokenizer.from_pretrained(r.model.tokenizer or r.model.path)
         recipe_json = msgspec.json.encode(r)
-        need = r.engines.num + r.rollout.workers + 2
+        need = r.engines.num + r.rollout.workers + 1 + math.prod(learner_layout(r))
         env_vars = {"PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "OMP_NUM_THREADS": "1",
                     **({faultpoint.ENV: os.environ[faultpoint.ENV]} if os.environ.get(faultpoint.ENV) else {})}
@@ -95,9 +96,8 @@ class Services:
         sft_done = self.resume and (sft_dir / "config.json").exists()
         if self.resume:
             shutil.rmtree(self.dir / "weights", ignore_errors=True)  # exports of the stopped run
-        self.learner = learner_actor(1, r.learner.num_gpus).remote(
-            recipe_json, str(sft_dir) if sft_done else r.model.path,
-            str(Path(r.model.tokenizer or r.model.path).resolve()))
+        self.learner = LearnerGroup(r, str(sft_dir) if sft_done else r.model.path,
+                                    str(Path(r.model.tokenizer or r.model.path).resolve()))
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               keep_weights=r.engines.keep_weights, tp=r.engines.tp)
@@ -229,9 +229,10 @@ class Services:
                 pass
         if self.router is not None:
             await self.router.close()
-        for a in [*self.workers, self.learner]:
-            if a is not None:
-                ray.kill(a, no_restart=True)
+        for a in self.workers:
+            ray.kill(a, no_restart=True)
+        if self.learner is not None:
+            self.learner.kill()
         if not self.r.ray.address:
             ray.shutdown()
         if self.log.mirror is not None:

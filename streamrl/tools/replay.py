@@ -13,8 +13,10 @@ next to the replayed ones. On CPU, with the run's recipe, they are identical.
 trains on them in batches of `rollout.groups_per_step`, oldest first, starting from the
 checkpoint before the first of them was consumed (or the newest checkpoint).
 
-The learner runs in this process, built as the run built it (recipe.yaml, sft_model/ or the
-model path, learner.threads), and reads the pool without changing it.
+The learner is built as the run built it (recipe.yaml, sft_model/ or the model path,
+learner.threads) and reads the pool without changing it: in this process, or, for a run whose
+learner had several ranks (learner.parallel), as the same group of ranks on a Ray instance of
+its own (another layout would sum in another order, and float32 rounding drifts apart over steps).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from streamrl.recipe import Recipe
+from streamrl.recipe import Recipe, learner_layout
 
 GROUP_COLUMNS = ("group_id", "prompt_id", "producer_id", "status", "n_samples", "min_version", "max_version",
                  "consumed_step", "consumed_version", "created_ns", "drop_reason", "reward_mean", "reward_std",
@@ -71,7 +73,12 @@ def _learner(r: Recipe, run_dir: Path) -> Any:
 
     quiet_megatron()
     sft = run_dir / "sft_model"
-    return LearnerDriver(r, str(sft) if (sft / "config.json").exists() else r.model.path)
+    model = str(sft) if (sft / "config.json").exists() else r.model.path
+    if math.prod(learner_layout(r)) > 1:
+        from streamrl.runtime.learner_group import SyncLearner
+
+        return SyncLearner(r, model, str(Path(r.model.tokenizer or r.model.path).resolve()))
+    return LearnerDriver(r, model)
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, int]]:

@@ -1,0 +1,111 @@
+"""`learner_step.py --parallel LAYOUT ...`: the megatron learner's RL step in parallel layouts.
+
+Each layout (`1` = one process, `tp=2`, `pp=2`, `dp=2`, or combined `tp=2,pp=2`) runs as
+tp*pp*dp processes of this module (gloo on CPU, NCCL on GPU; rank 0 serves the store on a
+socket the kernel bound, connectors/ports.py), each building MegatronLearner on the same model
+and training on the same batch (learner_step.make_batch). Rank 0 times the steps (every rank
+takes part in each: the step is collective); every rank reports the bytes of its parameters and
+optimizer state (MegatronLearner.state_bytes, after the first step created Adam's moments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    """"1" | "tp=2" | "tp=2,pp=2,dp=1" -> {"tp", "pp", "dp"} (missing sizes are 1)."""
+    out = {"tp": 1, "pp": 1, "dp": 1}
+    if text.strip() in ("1", ""):
+        return out
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in out or not value.strip().isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"--parallel {text!r}: expected 1 or tp=N,pp=N,dp=N (N >= 1), got {part!r}")
+        out[key.strip()] = int(value)
+    return out
+
+
+def layout_name(layout: dict[str, int]) -> str:
+    name = ",".join(f"{k}={v}" for k, v in layout.items() if v > 1)
+    return name or "1"
+
+
+def run_layout(layout: dict[str, int], preset: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Start the layout's ranks, wait for them, and summarise what they reported."""
+    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.ports import listen_socket, port_of
+
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    if not (work / preset / "config.json").exists():
+        init_model_dir(work / preset, preset=preset)
+    argv = [json.dumps({**vars(args), "out": None, "parallel": None, "preset": preset, "work": str(work), **layout})]
+    with listen_socket() as sock:
+        fd = sock.fileno()
+        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port_of(sock)), str(fd), *argv],
+                                  pass_fds=(fd,) if r == 0 else (), cwd=REPO, stdout=subprocess.PIPE, text=True)
+                 for r in range(world)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"layout {layout_name(layout)}: ranks exited {[p.returncode for p in procs]}")
+    ranks = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    times, tokens = ranks[0]["step_s"], ranks[0]["tokens"]
+    med = statistics.median(times)
+    return {"world_size": world, **layout, "step_s_median": round(med, 4), "step_s_by_round": [round(t, 4) for t in times],
+            "tokens_per_s": round(tokens / med, 1),
+            "state_bytes_per_rank_max": max(r["state_bytes"] for r in ranks),
+            "state_bytes_by_rank": [r["state_bytes"] for r in ranks],
+            "first_step": ranks[0]["first"]}
+
+
+def rank_main() -> None:
+    rank, port, fd = map(int, sys.argv[1:4])
+    a = argparse.Namespace(**json.loads(sys.argv[4]))
+    import torch
+
+    torch.set_num_threads(max(1, a.threads // (a.tp * a.pp * a.dp)))  # the layout shares the cores
+    from benchmarks.learner_step import make_batch
+    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, init_distributed
+
+    world = a.tp * a.pp * a.dp
+    init_distributed(rank, world, tp=a.tp, pp=a.pp, seed=0, port=port, listen_fd=fd if rank == 0 else None)
+    import torch.distributed as dist
+
+    model_dir = Path(a.work) / a.preset
+    learner = MegatronLearner(model_dir, lr=a.lr, grad_clip=1.0, micro_batch_size=a.micro_batch_size)
+    from transformers import AutoConfig
+
+    samples = make_batch(a, AutoConfig.from_pretrained(str(model_dir)).vocab_size)
+    cfg = RLConfig()
+    first: dict[str, float] = {}
+    for w in range(a.warmup):
+        r = learner.rl_step(samples, cfg)
+        if w == 0:
+            first = {k: float(r[k]) for k in ("loss", "grad_norm", "entropy")}
+    times = []
+    for _ in range(a.steps):
+        dist.barrier()  # time the step, not the wait for the slowest rank's previous one
+        t = time.perf_counter()
+        learner.rl_step(samples, cfg)
+        times.append(time.perf_counter() - t)
+    print(json.dumps({"step_s": times, "state_bytes": learner.state_bytes(), "first": first,
+                      "tokens": sum(len(s.prompt) + len(s.response) for s in samples)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|mbridge)(\.|$)")
+    rank_main()

@@ -1,0 +1,226 @@
+"""The megatron learner's parallel plumbing: process groups and megatron's parallel state,
+Megatron's pipeline schedule around our forward and loss functions, and the gradient
+reductions an optimizer step needs across tensor (TP), pipeline (PP) and data (DP) ranks.
+
+Layout (megatron's order): ranks are grouped tp-fastest, then dp, then pp; world = tp * pp * dp.
+- TP: the output layer is vocab-parallel; `gather_vocab` all-gathers the logits so every TP
+  rank computes the same loss, and the gradient of a rank's shard is its slice.
+- PP: `run_schedule` calls `get_forward_backward_func()` (1F1B for pp > 1, the plain loop for
+  pp = 1) on this stage's GPTModel chunk. Only the last stage sees logits: it computes the loss
+  and the log-probs, and `from_last_stage` hands tensors/numbers to the other stages so every
+  rank takes the same decisions and reports the same metrics.
+- DP: gradients are all-reduced in a few flat buckets; tied embeddings (first and last stage
+  each hold a copy when pp > 1) get their gradients summed over the embedding group, as
+  megatron's finalize_model_grads does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+BUCKET_BYTES = 64 << 20  # DP all-reduce bucket: few collectives, bounded extra memory
+
+
+def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, port: int = 0,
+                     listen_fd: int | None = None) -> None:
+    """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
+    with tensor parallel size `tp`, pipeline parallel size `pp` (data parallel = world_size /
+    (tp * pp)), CPU patches, seeds. The store is on 127.0.0.1 (connectors/ports.py): rank 0 serves
+    it on a socket it inherited (`listen_fd`, bound to `port` by whoever started the ranks) or,
+    given no port, on one of its own; otherwise every rank connects to `port` (a store the
+    starter serves: the learner group's driver)."""
+    import torch.distributed as dist
+
+    from streamrl.connectors import megatron_cpu
+    from streamrl.connectors.ports import tcp_store
+
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not a multiple of tp * pp = {tp} * {pp}")
+    megatron_cpu.apply()
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        serve = rank == 0 and (listen_fd is not None or not port)
+        # tcp_store serves for rank 0 and connects for any other: rank 0 of a served store is a client too
+        store = tcp_store(world_size, rank=0 if serve else max(rank, 1), port=port, listen_fd=listen_fd)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        megatron_cpu.seed_cpu(seed)
+
+
+class _GatherVocab(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(shard) for _ in range(ctx.size)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # Every TP rank computes the same loss: the gradient of a shard is its slice, not a sum
+        # (which would count the loss once per rank).
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
+
+
+class Parallel:
+    """This rank's place in the TP x PP x DP layout (from megatron's parallel state) and the
+    collectives the learner needs. Every method is collective over the group it names."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        self.tp, self.tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
+        self.pp, self.pp_group = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_group()
+        self.dp, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        self.dp_group = mpu.get_data_parallel_group()
+        self.first_stage, self.last_stage = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+        self.last_rank = mpu.get_pipeline_model_parallel_last_rank()  # global rank of our last stage
+        self.embedding_group = mpu.get_embedding_group() if self.pp > 1 and mpu.is_rank_in_embedding_group() else None
+        self.rank = dist.get_rank()
+
+    # ------------------------------------------------------------ forward
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        return _GatherVocab.apply(logits, self.tp_group) if self.tp > 1 else logits
+
+    def run_schedule(self, model: Any, batches: Sequence[Any], step: Callable[[Any, int], tuple[Any, Any]],
+                     forward_only: bool) -> list[Any]:
+        """Megatron's forward-backward schedule over `batches` (micro-batches with `.ids` [B, T];
+        their lengths may differ). `step(chunk, i)` runs the chunk on micro-batch i and returns
+        (output, loss_fn): on the last
+        stage `loss_fn(output)` gives (loss, metrics) and the loss is back-propagated as it is
+        (the schedule's division by the number of micro-batches is undone: each loss is already
+        weighted by its share of the step); with loss_fn None the output itself is collected.
+        Returns, on the last stage, what was collected per micro-batch in order; elsewhere []."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        n = len(batches)
+        if n == 0:
+            return []
+
+        def forward_step(data_iterator: Any, chunk: Any) -> tuple[Any, Any]:
+            out, loss_fn = step(chunk, next(data_iterator))
+            if loss_fn is None:
+                return out, None
+
+            def undivided(output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                loss, metrics = loss_fn(output)
+                return loss * n, metrics  # the schedule divides by n in place
+
+            return out, undivided
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(range(n)), model=[model], num_microbatches=n,
+            seq_length=max(int(b.ids.shape[1]) for b in batches), micro_batch_size=max(int(b.ids.shape[0]) for b in batches),
+            forward_only=forward_only)
+
+    def from_last_stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The last stage's `tensors` on every stage of this pipeline (other stages pass
+        tensors of the same shapes and dtype, e.g. zeros): one flat broadcast."""
+        if self.pp == 1 or not tensors:
+            return list(tensors)
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        flat = _flatten_dense_tensors([t.contiguous() for t in tensors])
+        dist.broadcast(flat, src=self.last_rank, group=self.pp_group)
+        return list(_unflatten_dense_tensors(flat, list(tensors)))
+
+    def floats_from_last_stage(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
+        return [float(x) for x in self.from_last_stage([t])[0]]
+
+    # ------------------------------------------------------------ data parallel numbers
+
+    def _device(self) -> Any:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+    def dp_sum(self, x: float) -> float:
+        return self._dp_reduce(x, "sum")
+
+    def dp_max(self, x: float) -> float:
+        return self._dp_reduce(x, "max")
+
+    def _dp_reduce(self, x: float, op: str) -> float:
+        if self.dp == 1:
+            return x
+        import torch.distributed as dist
+
+        t = torch.tensor([x], dtype=torch.float64, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.dp_group)
+        return float(t)
+
+    # ------------------------------------------------------------ gradients
+
+    def reduce_grads_and_norm(self, params: Sequence[torch.nn.Parameter]) -> float:
+        """Make every rank's gradients the full step's (tied embeddings summed over their two
+        stages, DP all-reduce in buckets) and return the global L2 norm: TP shards summed over
+        the TP group, replicated parameters (norms) once, each stage's share summed over the PP
+        group, the last stage's copy of tied embeddings left out (it equals the first stage's)."""
+        import torch.distributed as dist
+
+        if self.dp > 1 or self.embedding_group is not None:
+            for p in params:
+                if p.grad is None:  # a rank with no rows in this step still joins every all-reduce
+                    p.grad = torch.zeros_like(p)
+        if self.embedding_group is not None:
+            for p in params:
+                if getattr(p, "shared_embedding", False):
+                    dist.all_reduce(p.grad, group=self.embedding_group)
+        if self.dp > 1:  # losses are pre-weighted: a sum is the full-batch gradient
+            all_reduce_bucketed([p.grad for p in params], self.dp_group)
+        device = params[0].device if params else self._device()
+        sharded = torch.zeros((), dtype=torch.float64, device=device)
+        replicated = torch.zeros((), dtype=torch.float64, device=device)
+        for p in params:
+            if p.grad is None or getattr(p, "shared", False):
+                continue
+            sq = p.grad.double().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.tp > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        total = sharded + replicated
+        if self.pp > 1:
+            dist.all_reduce(total, group=self.pp_group)
+        return float(total.sqrt())
+
+
+def all_reduce_bucketed(tensors: Sequence[torch.Tensor], group: Any, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum `tensors` in place over `group`, a few flat buffers at a time (one per dtype and up
+    to `bucket_bytes`) rather than one collective per tensor."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in sorted(tensors, key=lambda x: str(x.dtype)):  # stable: same order on every rank
+        nbytes = t.numel() * t.element_size()
+        if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    for bucket in buckets:
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(reduced)
