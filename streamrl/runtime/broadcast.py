@@ -126,9 +126,11 @@ class VersionBroadcaster:
         mode = None
         if interrupt:
             mode = "in_place" if self.policy == "in_place" else "abort"
-        t_window = time.perf_counter()
+        window_s = 0.0
         if mode and self.policy == "finish_old" and finish_window_s > 0:
+            t_window = time.perf_counter()
             await asyncio.sleep(finish_window_s)  # requests close to done finish on the old weights
+            window_s = time.perf_counter() - t_window
         workers = self.router.workers
         t0 = time.perf_counter()
         failed: dict[str, BaseException] = {}
@@ -166,7 +168,7 @@ class VersionBroadcaster:
         self.version = version
         self.log.event(VersionPublished(version=version, step=step, at=now_ns()))
         out = {"version": version, "push_s": push_s, "pause_s": time.perf_counter() - t0 if mode else 0.0,
-               "finish_window_s": t0 - t_window, "path": path, "failed_engines": len(failed)}
+               "finish_window_s": window_s, "path": path, "failed_engines": len(failed)}
         self.history.append(out)
         return out
 
