@@ -38,7 +38,9 @@ Figures per mode and cluster size (JSON on stdout and in --out-dir, plus a PNG):
   wasted_token_fraction tokens generated but never trained on (restarted or dropped as stale)
   ledger               the real ledger over the simulated pool: lost and duplicated must be 0
 
-`--calibrate` models the CPU quick-start (one embedded engine, learner on its own core), fits
+`--calibrate` models the CPU run stream_vs_lockstep.py measured (its recipe: the long-tail
+countdown task by default; one embedded engine, learner on its own core, the response lengths
+that run's lockstep pool holds), fits
 the one unknown (engine time per request outside decoding) to the measured lockstep step,
 then predicts one-step-off and stream and compares them with the measured speedups.
 """
@@ -242,7 +244,7 @@ def main_simulate(a: argparse.Namespace) -> None:
 
 def cpu_setup(measured: dict[str, Any], c1_tok_s: float, c64_tok_s: float, max_running: int
               ) -> tuple[Cluster, Workload, dict[str, Any]]:
-    """The quick-start as stream_vs_lockstep.py ran it, from what that run measured."""
+    """The recipe as stream_vs_lockstep.py ran it (long-tail by default), from what that run measured."""
     from streamrl.pools.inspect import pool_query
     from streamrl.pools.lance_pool import LancePool
     from streamrl.recipe import load_recipe
@@ -288,13 +290,15 @@ def fit_overhead(c: Cluster, w: Workload, target_step_s: float) -> float:
 def main_calibrate(a: argparse.Namespace) -> None:
     measured = json.loads(Path(a.calibrate).read_text())
     c, w, info = cpu_setup(measured, a.c1_tok_s, a.c64_tok_s, a.max_running)
-    per_step = {m: v["rl_wall_s"] / measured["steps"] for m, v in measured["modes"].items()}
+    # stream_<policy> runs (stream_vs_lockstep.py --policies) are not simulated: the modes are.
+    per_step = {m: v["rl_wall_s"] / measured["steps"] for m, v in measured["modes"].items()
+                if m in ("lockstep", "one_step_off", "stream")}
     overhead = fit_overhead(c, w, per_step["lockstep"])
     c = dataclasses.replace(c, request_overhead_s=overhead)
     rows, sim = [], {}
-    for mode in measured["modes"]:
+    for mode in per_step:
         sim[mode] = simulate(c, dataclasses.replace(w, mode=mode))
-    for mode in measured["modes"]:
+    for mode in per_step:
         s_step = sim[mode]["wall_s"] / w.steps
         row = {"mode": mode, "measured_step_s": per_step[mode], "simulated_step_s": s_step}
         if mode != "lockstep":
@@ -333,7 +337,7 @@ def main() -> None:
     ap.add_argument("--out-dir", default="runs/simulate_cluster", help="JSON and PNG go here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                     help="Cluster/Workload fields, e.g. learner_gpus=16 groups_per_step=1024")
-    cal = ap.add_argument_group("calibration against the CPU quick-start")
+    cal = ap.add_argument_group("calibration against a CPU run of stream_vs_lockstep.py (long-tail recipe by default)")
     cal.add_argument("--calibrate", metavar="MEASURED.json",
                      help="simulate the run stream_vs_lockstep.py measured (its JSON; its work_dir must still exist)")
     cal.add_argument("--c1-tok-s", type=float, default=1055.0,

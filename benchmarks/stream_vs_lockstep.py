@@ -1,7 +1,12 @@
 #!/usr/bin/env python
-"""Stream vs lockstep vs one-step-off: the quick-start's RL phase in each mode, same steps.
+"""Stream vs lockstep vs one-step-off: a recipe's RL phase in each mode, same steps.
 
-    .venv/bin/python benchmarks/stream_vs_lockstep.py [--steps N] [--quick] [--out FILE]
+    .venv/bin/python benchmarks/stream_vs_lockstep.py [--steps N] [--quick] [--out FILE]   # recipes/longtail.yaml
+    .venv/bin/python benchmarks/stream_vs_lockstep.py --quickstart --steps 100            # recipes/quickstart.yaml
+
+The default recipe is the long-tail countdown task (responses 9-220 tokens, median ~47: lockstep
+waits for the longest chain of every batch, as in real reasoning workloads); `--quickstart` runs
+the quick-start's addition task instead (1-7 tokens, no tail), `--recipe` any other.
 
 The SFT warm-start runs once (in this process); each mode then starts from the same warm-started
 weights with the same recipe, seed and number of learner steps, as a full `streamrl run` (Ray,
@@ -12,7 +17,8 @@ generation and training each get one core (the driver, router and rollout worker
 Per mode: RL wall time (from the first step to the last publish; start-up and evaluation are
 not counted), samples/s, held-out accuracy before/after, and where the time went — per step,
 the learner's wait for a batch (`wait_s`, generation it could not overlap), its training
-(`train_s`) and the weight push (`push_s`). Prints one JSON object; `speedup_stream_vs_lockstep`
+(`train_s`), the weight push (`push_s`), the engines' pause (`pause_s`), and the fraction of generated
+tokens the in-flight policy threw away (`discarded_token_frac`). Prints one JSON object; `speedup_stream_vs_lockstep`
 is lockstep wall time / stream wall time.
 """
 
@@ -54,16 +60,19 @@ def warm_start(recipe: Any, out: Path) -> Path:
     return Path(drv.export(str(out / "sft-model")))
 
 
-def shared_start(recipe: Any, prefix: str) -> tuple[Path, Path, float]:
-    """A fresh work directory with the recipe's inputs prepared and its SFT warm-start done once:
-    (work dir, the model every run starts from, SFT seconds)."""
+def shared_start(recipe: Any, prefix: str, sft_model: str | None = None) -> tuple[Path, Path, float]:
+    """A fresh work directory with the recipe's inputs prepared and its SFT warm-start done once
+    (or `sft_model`, one done before): (work dir, the model every run starts from, SFT seconds)."""
     from streamrl.runtime.inputs import prepare_inputs
     from streamrl.runtime.runlog import RunLog
 
     work = Path(tempfile.mkdtemp(prefix=prefix))
     prepare_inputs(recipe, RunLog(work / "prepare", echo=False))
     t0 = time.perf_counter()
-    model = warm_start(recipe, work) if recipe.sft is not None else Path(recipe.model.path)
+    if sft_model:
+        model = Path(sft_model)
+    else:
+        model = warm_start(recipe, work) if recipe.sft is not None else Path(recipe.model.path)
     return work, model, time.perf_counter() - t0
 
 
@@ -80,6 +89,8 @@ def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             "reward_first_step": summary["reward_first"], "reward_last_step": summary["reward_last"],
             "per_step_s": summary["rl_s"] / max(1, len(m)), "learner_wait_s": mean("wait_s"),
             "learner_train_s": mean("train_s"), "push_s": mean("push_s"), "pause_s": mean("pause_s"),
+            "finish_window_s": mean("finish_window_s"), "interrupted_calls": m[-1].get("interrupted_calls", 0) if m else 0,
+            "discarded_token_frac": m[-1].get("discarded_token_frac", 0.0) if m else 0.0,
             "staleness_mean": mean("staleness_mean"), "staleness_max": max((x["staleness_max"] for x in m), default=0),
             "dropped_stale": sum(x["dropped_stale"] for x in m),
             "gen_tokens_per_s": mean("gen_tokens_per_s"), "train_tokens_per_s": mean("train_tokens_per_s")}
@@ -87,12 +98,20 @@ def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default="recipes/quickstart.yaml")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--recipe", default="recipes/longtail.yaml", help="the recipe (default: %(default)s)")
+    which.add_argument("--quickstart", dest="recipe", action="store_const", const="recipes/quickstart.yaml",
+                       help="the quick-start recipe (recipes/quickstart.yaml)")
     ap.add_argument("--steps", type=int, help="learner steps per mode (default: the recipe's run.steps)")
     ap.add_argument("--modes", default="lockstep,one_step_off,stream")
     ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--no-pin", action="store_true", help="do not pin the engine and learner to separate cores")
     ap.add_argument("--quick", action="store_true", help="6 steps per mode (a smoke run, not a measurement)")
+    ap.add_argument("--policies", default="",
+                    help="also run stream once per staleness.partial_rollout listed (abort_resume,in_place,restart,"
+                         "finish_old), reported as stream_<policy>")
+    ap.add_argument("--sft-model", help="start every mode from this HF directory instead of running the recipe's SFT "
+                                        "(e.g. WORK_DIR/sft-model of an earlier run of this script)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every mode")
     a = ap.parse_args()
@@ -101,25 +120,28 @@ def main() -> None:
     steps = 6 if a.quick else (a.steps or base.run.steps)
     from streamrl.runtime.run import run_async
 
-    work, model, sft_s = shared_start(base, "stream-vs-lockstep-")
+    work, model, sft_s = shared_start(base, "stream-vs-lockstep-", a.sft_model)
     pin = not a.no_pin and (os.cpu_count() or 1) >= 2
     modes: dict[str, Any] = {}
-    for mode in a.modes.split(","):
+    runs = [(m, m, base.staleness.partial_rollout) for m in a.modes.split(",")]
+    runs += [(f"stream_{p}", "stream", p) for p in a.policies.split(",") if p]
+    for label, mode, policy in runs:
         r = msgspec.structs.replace(
             base, sft=None,
             model=msgspec.structs.replace(base.model, path=str(model), init=None),
             run=msgspec.structs.replace(base.run, mode=mode, steps=steps, checkpoint_every=0, eval_every=0,
-                                        dir=str(work / mode)),
+                                        dir=str(work / label)),
+            staleness=msgspec.structs.replace(base.staleness, partial_rollout=policy),
             engines=msgspec.structs.replace(base.engines, num=a.engines, cpus=[0] if pin else []),
             learner=msgspec.structs.replace(base.learner, cpus=[1] if pin else []))
-        print(f"[{mode}] {steps} steps ...", file=sys.stderr, flush=True)
-        summary = asyncio.run(run_async(r, work / mode, progress=False))
-        modes[mode] = mode_report(summary, work / mode)
-        print(f"[{mode}] {modes[mode]['rl_wall_s']:.1f}s, accuracy {modes[mode]['accuracy_before']:.3f} -> "
-              f"{modes[mode]['accuracy_after']:.3f}", file=sys.stderr, flush=True)
+        print(f"[{label}] {steps} steps ...", file=sys.stderr, flush=True)
+        summary = asyncio.run(run_async(r, work / label, progress=False))
+        modes[label] = mode_report(summary, work / label)
+        print(f"[{label}] {modes[label]['rl_wall_s']:.1f}s, accuracy {modes[label]['accuracy_before']:.3f} -> "
+              f"{modes[label]['accuracy_after']:.3f}", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"benchmark": "stream_vs_lockstep", "git": git_rev(), "recipe": a.recipe,
                            "overrides": a.overrides, "steps": steps, "engines": a.engines, "pinned": pin,
-                           "sft_s": sft_s, "modes": modes, "work_dir": str(work)}
+                           "sft_s": sft_s, "sft_model": str(model), "modes": modes, "work_dir": str(work)}
     if "lockstep" in modes:
         for m in modes:
             if m != "lockstep":

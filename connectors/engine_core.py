@@ -1,9 +1,12 @@
 """The embedded engine's scheduler: continuous batching over a transformers causal LM.
 
-Requests join and leave between decode steps. Each running request keeps its own KV cache
-(per layer, [1, kv_heads, length, head_dim]); a decode step left-pads them into one batch,
-runs one token through the model for everyone, and slices each request's cache back out.
-No HTTP, no asyncio: the server (connectors/engine_server.py) drives it from a thread.
+Requests join and leave between decode steps. The running requests' KV caches live in one
+left-padded batch cache (per layer, [batch, kv_heads, length, head_dim]) that a decode step
+extends in place of re-building it: when requests leave, their rows are dropped with one
+index_select per layer; only a request that joins (after its prefill, with a cache of its own)
+is padded in. Re-padding every request's cache on every step cost as much as the model itself
+on long responses (benchmarks/engine_throughput.py). No HTTP, no asyncio: the server
+(connectors/engine_server.py) drives it from a thread.
 
 Log-probs follow SGLang: log_softmax(logits / temperature) of the sampled token (the raw
 logits when temperature is 0, i.e. greedy); top-p/top-k shape sampling, not the log-prob.
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
+IN_BATCH: KV = []  # GenRequest.kv of a request whose cache is a row of the engine's batch cache
 
 
 @dataclass
@@ -79,7 +83,11 @@ class EngineCore:
         self._cond = threading.Condition()
         self._stop = False
         self._control: deque[tuple[Callable[[], Any], Any]] = deque()
+        self._batch: list[GenRequest] = []  # the rows of _cache, in order
+        self._cache: KV = []  # per layer (keys, values) of _batch, left-padded to the longest
+        self._lens: list[int] = []  # each row's cached length
         self.steps = 0  # decode steps run, for metrics and tests
+        self.rebatches = 0  # decode steps whose batch changed (rows dropped or joined)
         self.max_batch_seen = 0
 
     # ------------------------------------------------------------ public (any thread)
@@ -246,23 +254,45 @@ class EngineCore:
         self._sample_and_record(reqs, out.logits[:, -1, :])
         self._running.extend(r for r in reqs if r.finish is None)
 
+    def _rebatch(self) -> None:
+        """Make the batch cache hold exactly the running requests: the rows of those still in it
+        (one index_select per layer, trimmed to the longest of them), then those that joined."""
+        row = {id(r): i for i, r in enumerate(self._batch)}
+        kept = [r for r in self._running if r.kv is IN_BATCH and id(r) in row]
+        joined = [r for r in self._running if r.kv is not IN_BATCH]
+        kept_lens = [self._lens[row[id(r)]] for r in kept]
+        lens = kept_lens + [r.kv[0][0].shape[2] for r in joined]  # type: ignore[index]
+        lmax = max(lens)
+        cache: KV = []
+        n_layers = len(self._cache) if kept else len(joined[0].kv)  # type: ignore[arg-type]
+        for li in range(n_layers):
+            ks, vs = [], []
+            if kept:
+                idx = torch.tensor([row[id(r)] for r in kept])
+                k, v = self._cache[li]
+                cut = k.shape[2] - max(kept_lens)  # columns no kept row uses
+                ks.append(_left_pad(k.index_select(0, idx)[:, :, cut:], lmax))
+                vs.append(_left_pad(v.index_select(0, idx)[:, :, cut:], lmax))
+            for r in joined:
+                k, v = r.kv[li]  # type: ignore[index]
+                ks.append(_left_pad(k, lmax))
+                vs.append(_left_pad(v, lmax))
+            cache.append((torch.cat(ks) if len(ks) > 1 else ks[0], torch.cat(vs) if len(vs) > 1 else vs[0]))
+        for r in joined:
+            r.kv = IN_BATCH
+        self._running = kept + joined
+        self._batch, self._cache, self._lens = list(self._running), cache, lens
+        self.rebatches += 1
+
     @torch.inference_mode()
     def _decode(self) -> None:
         from transformers import DynamicCache
 
-        batch = list(self._running)  # _finish removes from _running while we iterate
-        lens = [r.kv[0][0].shape[2] for r in batch]  # type: ignore[index]
-        lmax = max(lens)
-        n_layers = len(batch[0].kv)  # type: ignore[arg-type]
-        cache = []
-        for li in range(n_layers):
-            ks, vs = [], []
-            for r, n in zip(batch, lens):
-                k, v = r.kv[li]  # type: ignore[index]
-                pad = lmax - n
-                ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
-                vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
-            cache.append((torch.cat(ks), torch.cat(vs)))
+        if len(self._running) != len(self._batch) or any(a is not b for a, b in zip(self._running, self._batch)) \
+                or any(r.kv is not IN_BATCH for r in self._running):
+            self._rebatch()
+        batch, lens = self._batch, self._lens
+        lmax = self._cache[0][0].shape[2]
         mask = torch.zeros(len(batch), lmax + 1, dtype=torch.long)
         for i, n in enumerate(lens):
             mask[i, lmax - n:] = 1
@@ -270,15 +300,14 @@ class EngineCore:
             input_ids=torch.tensor([[r.output_ids[-1]] for r in batch]),
             attention_mask=mask,
             position_ids=torch.tensor([[n] for n in lens]),
-            past_key_values=DynamicCache(cache),
+            past_key_values=DynamicCache(self._cache),
             use_cache=True,
         )
-        new = out.past_key_values.layers
-        for i, (r, n) in enumerate(zip(batch, lens)):
-            r.kv = [(layer.keys[i: i + 1, :, lmax - n:], layer.values[i: i + 1, :, lmax - n:]) for layer in new]
+        self._cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        self._lens = [n + 1 for n in lens]
         self.steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
-        self._sample_and_record(batch, out.logits[:, -1, :])
+        self._sample_and_record(list(batch), out.logits[:, -1, :])
         self._running = [r for r in batch if r.finish is None]
 
     def _sample_and_record(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
@@ -309,6 +338,12 @@ class EngineCore:
             self._running.remove(r)
         if r.on_done is not None:
             r.on_done(r)
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """`t` ([batch, heads, n, dim]) with zeros in front up to `length` positions."""
+    pad = length - t.shape[2]
+    return torch.nn.functional.pad(t, (0, 0, pad, 0)) if pad else t
 
 
 def _pick(row: torch.Tensor, r: GenRequest) -> tuple[int, float]:

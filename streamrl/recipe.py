@@ -147,6 +147,9 @@ class StalenessCfg(_Cfg):
     max_staleness: NonNegInt = 1  # eta; 0 = on-policy
     policy: ConsumptionPolicy = "drop"
     partial_rollout: PartialRolloutPolicy = "abort_resume"
+    # finish_old: after a new version is ready, engines keep generating on the old weights for this
+    # long before the abort; requests that finish meanwhile are single-version (no resume, no re-prefill)
+    finish_window_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.05
 
 
 class ProducerApiCfg(_Cfg):

@@ -106,6 +106,37 @@ def test_logprobs_match_transformers(engine, ref0, temperature):
         assert results[0].output_ids == hf_greedy(ref0, prompt(0, 4), len(results[0].output_ids))
 
 
+def test_batch_cache_survives_requests_leaving_and_joining(model_dirs, ref0):
+    """The engine's batch KV cache (rows dropped when requests finish, new ones padded in while
+    others decode) gives every request the log-probs transformers gives it alone, and is rebuilt
+    only when the batch changes, not on every decode step."""
+    import threading
+
+    from streamrl.connectors.engine_core import EngineCore, GenRequest
+
+    core = EngineCore(model_dirs[0], max_running=8)
+    core.prefill_batch = 2  # joins arrive over several steps, while earlier requests decode
+    done = threading.Semaphore(0)
+    # Budgets from 3 to 40 tokens: rows leave at different steps; prompts of different lengths.
+    reqs = [GenRequest(rid=str(i), input_ids=prompt(i, 3 + 2 * i), max_new_tokens=3 + 6 * (i % 7), ignore_eos=True,
+                       temperature=0.0, on_done=lambda _r: done.release()) for i in range(12)]
+    for r in reqs:
+        core.submit(r)
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    for _ in reqs:
+        assert done.acquire(timeout=120)
+    core.stop()
+    thread.join(timeout=30)
+    for i, r in enumerate(reqs):
+        assert r.finish == {"type": "length", "length": r.max_new_tokens} and len(r.output_ids) == r.max_new_tokens
+        ref = reference_logprobs(ref0, r.input_ids, r.output_ids, 0.0)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, ref)) < TOL, i
+        assert r.output_ids == hf_greedy(ref0, r.input_ids, r.max_new_tokens), i
+    assert core.max_batch_seen == 8  # capped: the last requests joined as others left
+    assert 1 < core.rebatches < core.steps
+
+
 def test_sampling_seed_reproducible(engine):
     async def main():
         async with SGLangClient(engine.url) as c:

@@ -41,8 +41,18 @@ def test_same_version_after_resume_merges_into_one_span():
 def test_restart_discards_what_was_generated():
     t = partial.Trajectory(prompt=[1], max_new_tokens=4)
     partial.absorb(t, [5, 6], [-1.0, -1.0], [V(0, 0, 2)], "abort", policy="restart")
-    assert t.tokens == [] and t.spans == [] and t.interruptions == 1
+    assert t.tokens == [] and t.spans == [] and t.interruptions == 1 and t.discarded == 2
     assert partial.next_request(t) == ([1], 4)
+    partial.absorb(t, [7], [-1.0], [V(1, 0, 1)], "abort", policy="restart")
+    assert t.discarded == 3
+
+
+@pytest.mark.parametrize("policy", ["abort_resume", "in_place", "finish_old"])
+def test_only_restart_throws_tokens_away(policy):
+    t = partial.Trajectory(prompt=[1], max_new_tokens=4)
+    partial.absorb(t, [5, 6], [-1.0, -1.0], [V(0, 0, 2)], "abort", policy=policy)
+    partial.absorb(t, [7], [-1.0], [V(1, 0, 1)], "stop", policy=policy)
+    assert t.tokens == [5, 6, 7] and t.discarded == 0 and t.spans == [V(0, 0, 2), V(1, 2, 3)]
 
 
 def test_abort_with_the_budget_used_up_finishes_as_length():

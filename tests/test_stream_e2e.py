@@ -10,6 +10,7 @@ Runs are expensive (25-60 s, mostly start-up), so a few runs are shared by sever
 |--------------------|--------------------------------------------------------------|-------|
 | eta4_abort_resume  | stream, eta 4, abort_resume, 48 new tokens, disk sync, keep all weights | staleness[4], partial[abort_resume] |
 | eta1_in_place      | stream, eta 1, in_place, 48 new tokens, disk sync, keep all weights     | staleness[1], partial[in_place] |
+| eta1_finish_old    | stream, eta 1, finish_old (20 ms window), otherwise as eta1_in_place    | staleness[finish_old], partial[finish_old] |
 | lockstep, one_step_off | the base recipe in those modes                           | modes[...] |
 | (own runs)         | malformed dataset (fail; skip + a raising reward) | bad input tests |
 | kill_run           | 2 engines, one SIGKILLed just before a weight update, restarted | engine_killed..., engine_death_shows... |
@@ -52,6 +53,11 @@ RUN_OVERRIDES: dict[str, dict[str, Any]] = {
                           "rollout.max_new_tokens": 48, "engines.weight_sync": "disk", "engines.keep_weights": 0},
     "eta1_in_place": {"run.steps": STEPS, "staleness.max_staleness": 1, "staleness.partial_rollout": "in_place",
                       "rollout.max_new_tokens": 48, "engines.weight_sync": "disk", "engines.keep_weights": 0},
+    # finish_old: the engines run 20 ms on the old weights before the abort; a short window, so
+    # that responses are still interrupted and resumed (what the log-prob checks need).
+    "eta1_finish_old": {"run.steps": STEPS, "staleness.max_staleness": 1, "staleness.partial_rollout": "finish_old",
+                        "staleness.finish_window_s": 0.02, "rollout.max_new_tokens": 48,
+                        "engines.weight_sync": "disk", "engines.keep_weights": 0},
     "lockstep": {"run.mode": "lockstep", "run.steps": 4},
     "one_step_off": {"run.mode": "one_step_off", "run.steps": 4},
 }
@@ -144,7 +150,8 @@ def test_malformed_dataset_fails_before_anything_starts(tmp_path: Path, tiny_mod
 # ---------------------------------------------------------------- 1. staleness
 
 
-@pytest.mark.parametrize("eta,name", [(1, "eta1_in_place"), (4, "eta4_abort_resume")], ids=["eta1", "eta4"])
+@pytest.mark.parametrize("eta,name", [(1, "eta1_in_place"), (4, "eta4_abort_resume"), (1, "eta1_finish_old")],
+                         ids=["eta1", "eta4", "finish_old"])
 def test_staleness_is_never_exceeded(runs: Runs, eta: int, name: str) -> None:
     run = runs.get(name)
     where = run.where()
@@ -193,7 +200,8 @@ def _tiles(spans: list[tuple[int, int, int]], n: int) -> bool:
             and all(s < e for _, s, e in spans))
 
 
-@pytest.mark.parametrize("policy,name", [("abort_resume", "eta4_abort_resume"), ("in_place", "eta1_in_place")])
+@pytest.mark.parametrize("policy,name", [("abort_resume", "eta4_abort_resume"), ("in_place", "eta1_in_place"),
+                                         ("finish_old", "eta1_finish_old")])
 def test_partial_rollouts_keep_exact_logprobs_per_version(runs: Runs, tiny_model: Path,  # noqa: F811
                                                           policy: str, name: str) -> None:
     run = runs.get(name)
@@ -206,15 +214,23 @@ def test_partial_rollouts_keep_exact_logprobs_per_version(runs: Runs, tiny_model
         assert (sk.weights_dir(run.dir, tiny_model, v) / "config.json").exists(), (v, where)
 
     # The engines were paused in the policy's mode for each update.
-    mode = "abort" if policy == "abort_resume" else "in_place"
+    mode = "in_place" if policy == "in_place" else "abort"
     paused = sk.read_events(run.dir, "engine_paused")
     assert paused and {e["mode"] for e in paused} == {mode}, ({e["mode"] for e in paused}, where)
     assert len({e["at"] for e in paused}) >= run.steps, where  # one pause per publish (x engines)
     interrupted = max(m["interrupted_calls"] for m in metrics)
-    if policy == "abort_resume":
+    if policy != "in_place":
         assert interrupted > 0, f"no engine call was interrupted {where}"
     else:
         assert interrupted == 0, f"in_place must not abort engine calls; {interrupted} were {where}"
+    # No policy but restart throws generated tokens away.
+    assert metrics[-1]["gen_tokens"] > 0 and metrics[-1]["discarded_tokens"] == 0, (metrics[-1], where)
+    # finish_old: each update waited its window before pausing the engines; the others did not wait.
+    windows = [m["finish_window_s"] for m in metrics]
+    if policy == "finish_old":
+        assert min(windows) >= 0.019, (windows, where)  # asyncio may wake within its clock resolution
+    else:
+        assert max(windows) == 0.0, (windows, where)
 
     # Resumed samples: several version spans that tile the response.
     groups = sk.pool_groups(run.dir, "status IN ('consumed', 'complete')")
@@ -247,8 +263,8 @@ def test_partial_rollouts_keep_exact_logprobs_per_version(runs: Runs, tiny_model
         for k, (v, a, b) in enumerate(spans):
             same = np.abs(oracle.logprobs(v, prompt, resp[:b])[a:b] - stored[a:b])
             report.append(f"{g.group_id}[{s.index}] v{v}[{a}:{b}) recompute max|d| {same.max():.2e}")
-            if policy == "abort_resume" or k == 0:
-                # Prompt + tokens so far are recomputed by the span's version (abort_resume), or
+            if policy != "in_place" or k == 0:
+                # Prompt + tokens so far are recomputed by the span's version (abort_resume, finish_old), or
                 # nothing was updated yet (first span): each log-prob is exactly its version's.
                 assert same.max() < 1e-3, fail_text()
         if policy == "in_place":

@@ -4,7 +4,9 @@ A version update can interrupt a generation (SGLang answers `finish_reason: abor
 `abort_resume` the tokens and their log-probs are kept and the next call sends prompt +
 tokens so far to the new weights (the engine recomputes the KV cache); with `restart` they are
 discarded; with `in_place` the engine itself keeps generating across the update, so the
-response arrives in one call with several version spans. Pure state transitions: the rollout
+response arrives in one call with several version spans; `finish_old` lets the engines run on the
+old weights for `staleness.finish_window_s` first (what finishes then is single-version), then
+aborts and resumes the rest as `abort_resume` does. Pure state transitions: the rollout
 worker drives them, the cluster simulator reuses them.
 """
 
@@ -34,6 +36,7 @@ class Trajectory:
     finish: str = ""  # "" while unfinished, then stop | length
     calls: int = 0  # engine calls made for it
     interruptions: int = 0  # calls that ended in an abort (version update, engine failure)
+    discarded: int = 0  # generated tokens thrown away (restart)
     error: str | None = None  # generation gave up (the sample is stored as failed)
 
     @property
@@ -56,8 +59,8 @@ def absorb(t: Trajectory, output_ids: Sequence[int], logprobs: Sequence[float],
            segment_spans: Sequence[VersionSpan], finish_type: str,
            policy: PartialRolloutPolicy = "abort_resume") -> Trajectory:
     """The trajectory after one engine call. `segment_spans` cover `output_ids` (positions
-    relative to this call). An `abort` keeps the tokens (`abort_resume`, `in_place`) or drops
-    everything generated so far (`restart`)."""
+    relative to this call). An `abort` keeps the tokens (`abort_resume`, `in_place`, `finish_old`)
+    or drops everything generated so far (`restart`: counted in `discarded`)."""
     if len(output_ids) != len(logprobs):
         raise ValueError(f"{len(output_ids)} output ids but {len(logprobs)} log-probs")
     if len(output_ids) > t.remaining:
@@ -65,6 +68,7 @@ def absorb(t: Trajectory, output_ids: Sequence[int], logprobs: Sequence[float],
     t.calls += 1
     aborted = finish_type == "abort" or finish_type not in FINISHED
     if aborted and policy == "restart":
+        t.discarded += len(t.tokens) + len(output_ids)
         t.tokens, t.logprobs, t.spans = [], [], []
         t.interruptions += 1
         return t

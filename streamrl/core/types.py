@@ -19,7 +19,7 @@ SampleStatus = Literal["partial", "complete", "consumed", "dropped", "failed"]
 GroupState = Literal["in_flight", "partial", "complete", "consumed", "dropped", "failed"]
 GROUP_STATES: tuple[str, ...] = ("in_flight", "partial", "complete", "consumed", "dropped", "failed")
 ConsumptionPolicy = Literal["drop", "mask", "keep"]
-PartialRolloutPolicy = Literal["abort_resume", "in_place", "restart"]
+PartialRolloutPolicy = Literal["abort_resume", "in_place", "restart", "finish_old"]
 
 GroupId = str
 BatchId = int  # the learner step that consumed the batch

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,98 @@ def _sft_turns(rng: random.Random, prompt: str, value: int, turns_before: int, c
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# ---------------------------------------------------------------- the long-tail countdown task
+# "957-7=" -> "950;950-7=943;943-7=936;...;901-7=894": subtract d until the hundreds digit drops,
+# writing every step. Each step is the quick-start's skill (a 3-digit number minus a digit) on the
+# line before it, and the stop rule is local (the step whose result leaves the hundred), so the
+# tiny model learns it; the number of steps n is drawn per prompt with P(n) ~ 1/n (log-uniform), so
+# response lengths span ~7 to ~240 tokens with a long tail (median ~50), the shape of reasoning
+# traces that makes lockstep wait for its slowest sample. The verifier recomputes the chain.
+
+
+def countdown_chain(a: int, d: int) -> list[int]:
+    """The values a-d, a-2d, ... up to and including the first one below a's hundred."""
+    floor, out = a // 100 * 100, [a - d]
+    while out[-1] >= floor:
+        out.append(out[-1] - d)
+    return out
+
+
+def countdown_text(a: int, d: int, values: list[int]) -> str:
+    """The response for `values` (the exact chain or a teacher's slipped one): "950;950-7=943;..."."""
+    return ";".join([str(values[0])] + [f"{x}-{d}={y}" for x, y in zip(values, values[1:])])
+
+
+def countdown_problem(rng: random.Random, min_steps: int = 2, max_steps: int = 28) -> tuple[int, int]:
+    """(a, d) with 100 <= a <= 999, 1 <= d <= 9 whose chain has n steps, P(n) ~ 1/n on
+    [min_steps, max_steps]; d and the remainder are uniform among those that give n steps."""
+    if not 1 <= min_steps <= max_steps <= 100:
+        raise ValueError(f"need 1 <= min_steps <= max_steps <= 100, got {min_steps}, {max_steps}")
+    steps = range(min_steps, max_steps + 1)
+    n = rng.choices(steps, weights=[1 / k for k in steps])[0]
+    # a = h*100 + (n-1)*d + r with r < d: n-1 subtractions stay in the hundred, the n-th leaves it.
+    d = rng.choice([d for d in range(1, 10) if (n - 1) * d <= 99])
+    r = rng.randint(0, min(d - 1, 99 - (n - 1) * d))
+    return rng.randint(1, 9) * 100 + (n - 1) * d + r, d
+
+
+def teacher_chain(rng: random.Random, a: int, d: int, slip_rate: float) -> list[int]:
+    """The noisy teacher's chain: each step's result is off by one of SLIPS with probability
+    `slip_rate`, and the chain goes on from the value written (so a long chain is more often wrong).
+    It stops where the exact chain would, or after one step more (a slip can keep it in the hundred)."""
+    floor, out, steps = a // 100 * 100, [], len(countdown_chain(a, d)) + 1
+    x = a
+    while (not out or out[-1] >= floor) and len(out) < steps:
+        y = x - d
+        if rng.random() < slip_rate:
+            y += rng.choice(SLIPS)
+        out.append(y)
+        x = y
+    return out
+
+
+def countdown_reward(response: str, label: str, **_: object) -> dict[str, float]:
+    """The verifier: reward 1 when the whole chain is right (every step and where it stops);
+    `final` says whether its last number is the right one, `steps_right` the fraction of the
+    label's steps written correctly in place."""
+    got, want = response.strip().split(";"), str(label).strip().split(";")
+    right = sum(g == w for g, w in zip(got, want))
+    last = got[-1].rsplit("=", 1)[-1]
+    return {"reward": float(got == want), "final": float(last == want[-1].rsplit("=", 1)[-1]),
+            "steps_right": right / len(want)}
+
+
+def write_longtail_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: int = 128,
+                        n_sft: int = 6000, slip_rate: float = 0.1, min_steps: int = 2,
+                        max_steps: int = 28) -> dict[str, Path]:
+    """Write train/eval/sft.jsonl for the countdown task (same keys as `write_task`; the label is
+    the exact chain, scored by `countdown_reward`). The splits are disjoint by prompt (each prompt
+    belongs to one split by a hash of its text); within a split prompts are drawn i.i.d., so a
+    short-chain prompt may repeat (there are only ~400 two-step problems). SFT responses come from
+    the noisy teacher (`teacher_chain`). Deterministic for a seed."""
+    rng, teacher = random.Random(f"longtail-{seed}"), random.Random(f"longtail-teacher-{seed}")
+    want = {"eval": n_eval, "sft": n_sft, "train": n_train}
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in want}
+    for _ in range(50 * sum(want.values())):
+        if all(len(rows[k]) == n for k, n in want.items()):
+            break
+        a, d = countdown_problem(rng, min_steps, max_steps)
+        prompt = f"{a}-{d}="
+        h = zlib.crc32(prompt.encode()) % 16
+        split = "eval" if h == 0 else "sft" if h < 9 else "train"
+        if len(rows[split]) == want[split]:
+            continue
+        i = len(rows[split])
+        if split == "sft":
+            rows[split].append({"id": f"sft-{i}", "prompt": prompt,
+                                "response": countdown_text(a, d, teacher_chain(teacher, a, d, slip_rate))})
+        else:
+            rows[split].append({"id": f"{split}-{i}", "prompt": prompt,
+                                "label": countdown_text(a, d, countdown_chain(a, d))})
+    if any(len(rows[k]) < n for k, n in want.items()):
+        raise ValueError(f"could not draw {want} countdown problems with steps {min_steps}..{max_steps}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return {k: _write_jsonl(out / f"{k}.jsonl", rows[k]) for k in ("train", "eval", "sft")}

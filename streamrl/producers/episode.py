@@ -91,7 +91,7 @@ class Episode:
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # -1 for tokens the model did not generate
         self.replies: list[Turn] = []  # the model turns in the context, in order
-        self.stats = {"calls": 0, "interruptions": 0, "engine_errors": 0, "gen_tokens": 0}
+        self.stats = {"calls": 0, "interruptions": 0, "engine_errors": 0, "gen_tokens": 0, "discarded_tokens": 0}
         self.base_url: str | None = None  # the OpenAI-compatible proxy, when the run serves one
         self.api_key: str | None = None
         self._history: list[dict[str, Any]] | None = None
@@ -211,6 +211,7 @@ class Episode:
             if r.finish_type == "abort":
                 self.stats["interruptions"] += 1
         self.stats["calls"] += t.calls
+        self.stats["discarded_tokens"] += t.discarded
         versions = [s.version for s in t.spans for _ in range(s.end - s.start)]
         tokens, logprobs, finish = list(t.tokens), list(t.logprobs), t.finish
         cut = chat.stop_cut(pieces := chat.text_pieces(self._decode, tokens), stop) if stop else None

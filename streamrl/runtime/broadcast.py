@@ -14,7 +14,12 @@ instead: benchmarks/broadcast.py measures it.)
 In-flight generations follow the partial-rollout policy: `abort_resume`/`restart` pause the
 engines in `abort` mode (requests return what they have; the rollout worker resubmits them),
 `in_place` pauses them in place (they continue on the new weights, so the update is sent with
-`flush_cache: false`: SGLang fails a flushing update while requests run). `interrupt=False`
+`flush_cache: false`: SGLang fails a flushing update while requests run), `finish_old` first
+lets the engines generate on the old weights for `finish_window_s` (requests that finish then are
+never interrupted: single-version samples, no resume and no re-prefill) and then aborts the rest as
+`abort_resume` does (the window delays only the push; in stream mode the learner trains meanwhile,
+and the tokens are tagged with the old version, so the learner's staleness rule still applies to
+them). `interrupt=False`
 (lockstep, one-step-off: nothing is in flight) updates without pausing.
 The weight group holds rank 0 (the learner) and every TP rank of every engine
 (streamrl/core/weight_group.py: world 1 + sum of tp, engine i from its rank_offset).
@@ -115,12 +120,18 @@ class VersionBroadcaster:
         res = await asyncio.gather(*(call(c) for c in clients.values()), return_exceptions=True)
         return {u: r for u, r in zip(clients, res) if isinstance(r, BaseException)}
 
-    async def publish(self, version: int, step: int, interrupt: bool = True) -> dict[str, Any]:
-        """Make every live engine serve `version`; returns timings (pause window, push)."""
-        workers = self.router.workers
+    async def publish(self, version: int, step: int, interrupt: bool = True,
+                      finish_window_s: float = 0.0) -> dict[str, Any]:
+        """Make every live engine serve `version`; returns timings (the finish window, pause window, push)."""
         mode = None
         if interrupt:
             mode = "in_place" if self.policy == "in_place" else "abort"
+        window_s = 0.0
+        if mode and self.policy == "finish_old" and finish_window_s > 0:
+            t_window = time.perf_counter()
+            await asyncio.sleep(finish_window_s)  # requests close to done finish on the old weights
+            window_s = time.perf_counter() - t_window
+        workers = self.router.workers
         t0 = time.perf_counter()
         failed: dict[str, BaseException] = {}
         if mode:
@@ -157,7 +168,7 @@ class VersionBroadcaster:
         self.version = version
         self.log.event(VersionPublished(version=version, step=step, at=now_ns()))
         out = {"version": version, "push_s": push_s, "pause_s": time.perf_counter() - t0 if mode else 0.0,
-               "path": path, "failed_engines": len(failed)}
+               "finish_window_s": window_s, "path": path, "failed_engines": len(failed)}
         self.history.append(out)
         return out
 

@@ -256,6 +256,7 @@ class RolloutWorker:
             for ep in eps:
                 self.stats["gen_tokens"] += ep.stats["gen_tokens"]
                 self.stats["interrupted_calls"] += ep.stats["interruptions"]
+                self.stats["discarded_tokens"] += ep.stats["discarded_tokens"]
                 self.stats["engine_errors"] += ep.stats["engine_errors"]
             self.stats["failed_samples"] += sum(s.failed for s in samples)
             await self._store(self._group(gid, prompt_id, prompt, samples, meta))
@@ -317,7 +318,9 @@ class RolloutWorker:
                     raise res
                 for i, r in zip(idx, res):
                     self.stats["gen_tokens"] += len(r.output_ids)
+                    before = trajs[i].discarded
                     partial.absorb(trajs[i], r.output_ids, r.logprobs, r.version_spans(), r.finish_type, self.policy)
+                    self.stats["discarded_tokens"] += trajs[i].discarded - before
                     if r.finish_type == "abort":
                         aborted = True
                         self.stats["interrupted_calls"] += 1

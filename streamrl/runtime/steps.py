@@ -97,6 +97,9 @@ class Runtime:
         m["wall_time_s"] = now - self.t0 + self.wall_offset
         m["drops"] = _sum_dicts(x["drops"] for x in reports)
         m["interrupted_calls"] = sum(x.get("interrupted_calls", 0) for x in reports)
+        # Generated tokens thrown away by the in-flight policy (restart), over all generated so far.
+        m["gen_tokens"], m["discarded_tokens"] = tokens, sum(x.get("discarded_tokens", 0) for x in reports)
+        m["discarded_token_frac"] = m["discarded_tokens"] / max(1, tokens)
         m["engine_errors"] = sum(x.get("engine_errors", 0) for x in reports)
         m["engine_restarts"] = self.svc.engines.restarts
         self._reports = reports
@@ -106,8 +109,10 @@ class Runtime:
         """Push the learner's new version to every engine, then let the workers admit under it."""
         from streamrl.runtime.evaluate import eval_due
 
-        pub = await self.svc.broadcaster.publish(metrics["policy_version"], step, interrupt)
-        metrics.update(pause_s=pub["pause_s"], push_s=pub["push_s"], failed_engines=pub["failed_engines"])
+        pub = await self.svc.broadcaster.publish(metrics["policy_version"], step, interrupt,
+                                                 self.r.staleness.finish_window_s)
+        metrics.update(pause_s=pub["pause_s"], push_s=pub["push_s"], finish_window_s=pub["finish_window_s"],
+                       failed_engines=pub["failed_engines"])
         await asyncio.gather(*(w.set_version.remote(metrics["policy_version"]) for w in self.workers))
         self.steps.append(metrics)
         self.log.metrics({k: v for k, v in metrics.items() if k != "groups"} | {"groups": metrics["groups"]})

@@ -1,0 +1,104 @@
+"""The long-tail countdown task (streamrl/plugins/tasks.py): its verifier, the shape of its
+response lengths in the model kit's tokens, and that its files are a function of the seed."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamrl.plugins.tasks import (countdown_chain, countdown_problem, countdown_reward, countdown_text,
+                                    write_longtail_task)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _exact(prompt: str) -> str:
+    a, d = map(int, re.fullmatch(r"(\d+)-(\d)=", prompt).groups())
+    return countdown_text(a, d, countdown_chain(a, d))
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_longtail_task(tmp_path_factory.mktemp("longtail"), seed=0)
+
+
+def test_chain_stops_at_the_first_value_below_the_hundred():
+    assert countdown_chain(957, 7) == [950, 943, 936, 929, 922, 915, 908, 901, 894]
+    assert countdown_text(312, 5, countdown_chain(312, 5)) == "307;307-5=302;302-5=297"
+    assert countdown_chain(100, 1) == [99]
+    rng = random.Random(1)
+    for _ in range(500):
+        a, d = countdown_problem(rng, 2, 28)
+        chain = countdown_chain(a, d)
+        assert 2 <= len(chain) <= 28 and 100 <= a <= 999 and 1 <= d <= 9
+        assert all(x // 100 == a // 100 for x in chain[:-1]) and chain[-1] < a // 100 * 100
+
+
+def test_verifier_scores_the_whole_chain():
+    label = "307;307-5=302;302-5=297"
+    assert countdown_reward(label, label) == {"reward": 1.0, "final": 1.0, "steps_right": 1.0}
+    assert countdown_reward(f" {label}\n", label)["reward"] == 1.0
+    slipped = countdown_reward("307;307-5=303;303-5=298", label)  # a wrong step carried on
+    assert slipped["reward"] == 0.0 and slipped["final"] == 0.0 and slipped["steps_right"] == pytest.approx(1 / 3)
+    early = countdown_reward("307;307-5=302", label)  # stops inside the hundred
+    assert early["reward"] == 0.0 and early["final"] == 0.0
+    late = countdown_reward(label + ";297-5=292", label)  # goes past the stop
+    assert late["reward"] == 0.0 and late["final"] == 0.0 and late["steps_right"] == 1.0
+    lucky = countdown_reward("307;307-5=301;301-5=297", label)  # right end through a wrong step
+    assert lucky["reward"] == 0.0 and lucky["final"] == 1.0
+    for junk in ("", ";;;", "abc", "297"):
+        assert countdown_reward(junk, label)["reward"] == 0.0
+
+
+def test_splits_are_disjoint_and_labels_exact(task: dict[str, Path]):
+    rows = {k: _rows(p) for k, p in task.items()}
+    assert {k: len(v) for k, v in rows.items()} == {"train": 3000, "eval": 128, "sft": 6000}
+    prompts = {k: {r["prompt"] for r in v} for k, v in rows.items()}
+    assert not prompts["train"] & prompts["eval"] and not prompts["sft"] & prompts["eval"]
+    assert not prompts["train"] & prompts["sft"]
+    for k in ("train", "eval"):
+        assert all(r["label"] == _exact(r["prompt"]) for r in rows[k])
+    # The noisy teacher: a step slips with probability 0.1, so a longer chain is wrong more often.
+    right = [(len(_exact(r["prompt"]).split(";")), r["response"] == _exact(r["prompt"])) for r in rows["sft"]]
+    short = np.mean([ok for n, ok in right if n <= 3])
+    long = np.mean([ok for n, ok in right if n >= 15])
+    assert 0.6 < short < 0.95 and long < 0.35
+
+
+def test_response_lengths_have_a_long_tail_and_fit_the_tiny_model(task: dict[str, Path]):
+    from connectors.model_kit import PRESETS, build_tokenizer
+
+    tok = build_tokenizer()
+
+    def n_tokens(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    train = _rows(task["train"])
+    lengths = np.array([n_tokens(r["label"]) + 1 for r in train])  # + EOS
+    p10, p50, p90, top = np.percentile(lengths, [10, 50, 90, 100])
+    assert p10 <= 16 and 25 <= p50 <= 80 and p90 >= 120 and top >= 200  # ~an order of magnitude, long tail
+    assert top / p50 >= 3 and lengths.mean() > p50  # skewed to the right
+    # recipes/longtail.yaml: prompt + up to 240 new tokens within the tiny preset's positions.
+    positions = PRESETS["tiny"]["max_position_embeddings"]
+    every = [(r["prompt"], r.get("label") or r["response"]) for p in task.values() for r in _rows(p)]
+    assert max(n_tokens(p) for p, _ in every) + 240 <= positions
+    assert max(n_tokens(x) + 1 for _, x in every) <= 240
+
+
+def test_same_seed_same_files_other_seed_other_files(tmp_path: Path, task: dict[str, Path]):
+    again = write_longtail_task(tmp_path / "a", seed=0)
+    assert all(again[k].read_text() == task[k].read_text() for k in task)
+    other = write_longtail_task(tmp_path / "b", seed=1, n_train=50, n_eval=8, n_sft=50)
+    assert _rows(other["train"])[:20] != _rows(task["train"])[:20]
+
+
+def test_bad_step_range_is_refused():
+    with pytest.raises(ValueError, match="min_steps"):
+        countdown_problem(random.Random(0), 5, 2)
