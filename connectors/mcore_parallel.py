@@ -46,9 +46,8 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        serve = rank == 0 and (listen_fd is not None or not port)
-        # tcp_store serves for rank 0 and connects for any other: rank 0 of a served store is a client too
-        store = tcp_store(world_size, rank=0 if serve else max(rank, 1), port=port, listen_fd=listen_fd)
+        store = tcp_store(world_size, rank=rank, port=port, listen_fd=listen_fd,
+                          serve=rank == 0 and (listen_fd is not None or not port))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -136,15 +136,16 @@ def held_by(port: int, pids: Iterable[int]) -> bool | None:
 
 
 def tcp_store(world_size: int, rank: int = 0, host: str = LOOPBACK, port: int = 0,
-              timeout_s: float = 300, listen_fd: int | None = None) -> Any:
+              timeout_s: float = 300, listen_fd: int | None = None, serve: bool | None = None) -> Any:
     """A torch.distributed TCPStore. Rank 0 serves it on a socket bound to `host` (so it listens
     on that address only, not on every interface as TCPStore's own bind does): `listen_fd`, a
     listening socket it was handed (bound to `port`), or a new one on port 0. The others
-    connect to `host:port`, the port rank 0 reports as `store.port`."""
+    connect to `host:port`, the port rank 0 reports as `store.port`. `serve=False`: rank 0
+    connects too (a store its starter serves)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    if rank != 0:
+    if not (rank == 0 if serve is None else serve):
         return dist.TCPStore(host, port, world_size, False, timeout)
     if listen_fd is None:
         sock = listen_socket(host)

@@ -196,6 +196,8 @@ class LearnerDriver(WeightSource):
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
             torch.empty(int(n), dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self._ctl)
+        if self.rank == 0:
+            return rows
         return msgspec.msgpack.decode(buf.numpy().tobytes(), type=list[Sample] | None)
 
     # ------------------------------------------------------------ SFT warm-start
