@@ -19,6 +19,15 @@ Pipeline parallelism (`get_forward_backward_func` with pp > 1) adds:
   embeddings with `.cuda()` before the all-reduce that initialises it (once, at build);
 - mbridge's `broadcast_from_megatron_pp` (its weight export across stages) allocates the
   receiving tensor on `torch.cuda.current_device()`.
+Megatron's DistributedDataParallel and optimizer (`get_megatron_optimizer`, the distributed
+optimizer included; connectors/mcore_optimizer.py) add:
+- `distributed.param_and_grad_buffer` allocates the parameter / gradient buffers on
+  `torch.cuda.current_device()`; `optimizer.optimizer` and `optimizer.clip_grads` make flags
+  and norms with `torch.tensor(..., device="cuda")`, as does `utils.local_multi_tensor_l2_norm`
+  (the fallback when neither Apex nor TransformerEngine is installed);
+- the optimizers accept only tensors whose `.type()` is `torch.cuda.FloatTensor` & co
+  (`DistributedOptimizer._build_model_and_main_param_groups`, `clip_grad_by_total_norm_fp32`):
+  inside those two calls a CPU tensor's `.type()` answers with the CUDA name.
 """
 
 from __future__ import annotations
@@ -48,27 +57,33 @@ class _CpuCuda:
 
 
 def _torch_on_cpu() -> types.ModuleType:
-    """A view of `torch` whose `.cuda.current_device()` is "cpu" (and whose `zeros` puts a
-    tensor asked for on "cuda" on the CPU), for module globals."""
+    """A view of `torch` whose `.cuda.current_device()` is "cpu" (and whose tensor factories put
+    a tensor asked for on "cuda" on the CPU), for module globals."""
     proxy = types.ModuleType("torch_on_cpu")
     proxy.__dict__.update({k: v for k, v in torch.__dict__.items() if not k.startswith("__")})
     proxy.cuda = _CpuCuda()  # type: ignore[attr-defined]
 
-    def zeros(*size: Any, device: Any = None, **kw: Any) -> torch.Tensor:
-        return torch.zeros(*size, device="cpu" if str(device).startswith("cuda") else device, **kw)
+    def on_cpu(factory: Any) -> Any:
+        def make(*args: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+            return factory(*args, device="cpu" if str(device).startswith("cuda") else device, **kw)
+        return make
 
-    proxy.zeros = zeros  # type: ignore[attr-defined]
+    for name in ("zeros", "ones", "tensor", "empty", "full"):
+        setattr(proxy, name, on_cpu(getattr(torch, name)))
     return proxy
 
 
 class _TensorCudaIsCpu(torch.overrides.TorchFunctionMode):
-    """`tensor.cuda()` returns the tensor itself. Active only around a patched call, never
-    during training (a mode sees every op)."""
+    """`tensor.cuda()` returns the tensor itself and `tensor.type()` names the CUDA type. Active
+    only around a patched call, never around a forward or backward (a mode sees every op)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.Tensor.cuda:
             return args[0]
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and not out.startswith("torch.cuda."):
+            return out.replace("torch.", "torch.cuda.", 1)  # the type check megatron's optimizers make
+        return out
 
 
 def _cuda_is_cpu(fn: Any) -> Any:
@@ -119,8 +134,26 @@ def apply(force: bool = False) -> bool:
     mbridge_util.torch = cpu_torch  # broadcast_from_megatron_pp: torch.empty(device=current_device())
     LanguageModule.setup_embeddings_and_output_layer = _cuda_is_cpu(  # weight.data.cuda() (pp > 1, tied)
         LanguageModule.setup_embeddings_and_output_layer)
+    _patch_ddp_and_optimizer(cpu_torch)
     _applied = True
     return True
+
+
+def _patch_ddp_and_optimizer(cpu_torch: types.ModuleType) -> None:
+    import megatron.core.distributed.finalize_model_grads as finalize
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.optimizer.optimizer as optimizer
+
+    for module in (buffers, finalize, optimizer, clip_grads, distrib_optimizer):
+        module.torch = cpu_torch  # type: ignore[attr-defined]
+    build = distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups
+    distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups = classmethod(  # type: ignore[method-assign]
+        _cuda_is_cpu(build.__func__))
+    clip = _cuda_is_cpu(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    optimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there
 
 
 def seed_cpu(seed: int) -> None:

@@ -34,6 +34,13 @@ def test_pinned_megatron_version() -> None:
     ("megatron.core.models.common.language_module.language_module",
      "LanguageModule.setup_embeddings_and_output_layer", "weight.data.cuda()"),
     ("mbridge.core.util", "broadcast_from_megatron_pp", "torch.cuda.current_device()"),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__", "torch.cuda.current_device()"),
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "device='cuda'"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", "'torch.cuda.FloatTensor'"),
+    ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__", "device='cuda'"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
+     "'torch.cuda.FloatTensor'"),
+    ("megatron.core.utils", "local_multi_tensor_l2_norm", 'device="cuda"'),
 ])
 def test_patched_spots_still_hard_code_cuda(module: str, name: str, needle: str) -> None:
     """If this fails, megatron-core changed the spot: re-check connectors/megatron_cpu.py."""
@@ -56,13 +63,16 @@ def test_cpu_views_of_torch_redirect_only_cuda() -> None:
     assert view.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
     assert view.zeros(2, 3).shape == (2, 3) and view.zeros(2, device="cpu").device.type == "cpu"
     assert view.cuda.current_device() == "cpu" and view.cuda.synchronize() is None
-    assert view.empty is torch.empty and view.distributed is torch.distributed
+    assert view.tensor([1], device="cuda").device.type == "cpu" and view.empty(2, device="cuda").device.type == "cpu"
+    assert view.randn is torch.randn and view.distributed is torch.distributed
 
     def moves(t: torch.Tensor) -> torch.Tensor:
         return t.cuda() + 1
 
     wrapped = megatron_cpu._cuda_is_cpu(moves)
     assert torch.equal(wrapped(torch.ones(2)), torch.full((2,), 2.0)) and wrapped.__wrapped__ is moves
+    assert megatron_cpu._cuda_is_cpu(lambda t: t.type())(torch.ones(1)) == "torch.cuda.FloatTensor"
+    assert torch.ones(1).type() == "torch.FloatTensor"  # only inside the wrapped call
     if not torch.cuda.is_available():
         with pytest.raises((AssertionError, RuntimeError)):  # outside the wrapper .cuda() still fails
             moves(torch.ones(2))
