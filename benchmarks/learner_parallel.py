@@ -1,6 +1,7 @@
 """`learner_step.py --parallel LAYOUT ...`: the megatron learner's RL step in parallel layouts.
 
-Each layout (`1` = one process, `tp=2`, `pp=2`, `dp=2`, or combined `tp=2,pp=2`) runs as
+Each layout (`1` = one process, `tp=2`, `pp=2`, `dp=2`, or combined `tp=2,pp=2`; `distopt=0`
+turns megatron's distributed optimizer off, which is on by default and acts when dp > 1) runs as
 tp*pp*dp processes of this module (gloo on CPU, NCCL on GPU; rank 0 serves the store on a
 socket the kernel bound, connectors/ports.py), each building MegatronLearner on the same model
 and training on the same batch (learner_step.make_batch). Rank 0 times the steps (every rank
@@ -23,20 +24,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_layout(text: str) -> dict[str, int]:
-    """"1" | "tp=2" | "tp=2,pp=2,dp=1" -> {"tp", "pp", "dp"} (missing sizes are 1)."""
-    out = {"tp": 1, "pp": 1, "dp": 1}
+    """"1" | "tp=2" | "tp=2,pp=2,dp=1" | "dp=2,distopt=0" -> {"tp", "pp", "dp", "distopt"}
+    (missing sizes are 1, the distributed optimizer is on unless distopt=0)."""
+    out = {"tp": 1, "pp": 1, "dp": 1, "distopt": 1}
     if text.strip() in ("1", ""):
         return out
     for part in text.split(","):
         key, _, value = part.partition("=")
-        if key.strip() not in out or not value.strip().isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"--parallel {text!r}: expected 1 or tp=N,pp=N,dp=N (N >= 1), got {part!r}")
-        out[key.strip()] = int(value)
+        key = key.strip()
+        ok = value.strip().isdigit() and (int(value) in (0, 1) if key == "distopt" else int(value) >= 1)
+        if key not in out or not ok:
+            raise argparse.ArgumentTypeError(f"--parallel {text!r}: expected 1 or tp=N,pp=N,dp=N (N >= 1) "
+                                             f"[,distopt=0|1], got {part!r}")
+        out[key] = int(value)
     return out
 
 
 def layout_name(layout: dict[str, int]) -> str:
-    name = ",".join(f"{k}={v}" for k, v in layout.items() if v > 1)
+    name = ",".join(f"{k}={v}" for k, v in layout.items() if k != "distopt" and v > 1)
+    if not layout.get("distopt", 1):
+        name = f"{name},distopt=0" if name else "distopt=0"
     return name or "1"
 
 
@@ -81,7 +88,8 @@ def rank_main() -> None:
     import torch.distributed as dist
 
     model_dir = Path(a.work) / a.preset
-    learner = MegatronLearner(model_dir, lr=a.lr, grad_clip=1.0, micro_batch_size=a.micro_batch_size)
+    learner = MegatronLearner(model_dir, lr=a.lr, grad_clip=1.0, micro_batch_size=a.micro_batch_size,
+                              distributed_optimizer=bool(a.distopt))
     from transformers import AutoConfig
 
     samples = make_batch(a, AutoConfig.from_pretrained(str(model_dir)).vocab_size)

@@ -78,14 +78,15 @@ figures:
                          other jobs competing for the cores: every figure gets noisier), versions
   wall_s                 the whole run, model building and warm-up included
 
-with --parallel LAYOUT ... (e.g. `--parallel 1 tp=2 pp=2 dp=2`): the megatron learner alone, one
+with --parallel LAYOUT ... (e.g. `--parallel 1 tp=2 pp=2 dp=2 dp=2,distopt=0`): the megatron learner alone, one
 run of tp*pp*dp processes per layout and preset (benchmarks/learner_parallel.py), same batch and
 --warmup / --steps; torch threads are --threads split over the layout's ranks.
   parallel.<preset>.<layout>
       step_s_median, step_s_by_round, tokens_per_s   rank 0's wall time of a whole step
-      state_bytes_per_rank_max   bytes of parameters + AdamW state on the fullest rank (what
-                         must fit one GPU): falls with tp and pp; dp replicates (no
-                         distributed optimizer here), so it does not fall with dp
+      state_bytes_per_rank_max   bytes of parameters + Adam state on the fullest rank (what
+                         must fit one GPU): falls with tp and pp; with dp through the
+                         distributed optimizer (Adam's moments split over DP ranks; distopt=0:
+                         replicated, so it does not fall with dp)
       state_bytes_by_rank, first_step (loss, grad_norm, entropy of the first warm-up step:
                          the same in every layout)
   parallel.<preset>.bytes_vs_one_process  state_bytes_per_rank_max / that of layout "1"

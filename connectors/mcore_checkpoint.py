@@ -7,13 +7,13 @@ Layout under a checkpoint root:
     <root>/step_00000004/
         sharded/                   megatron dist_checkpointing, torch_dist format:
             __<rank>_0.distcp      the tensors rank <rank> wrote: its shards of the parameters and
-                                   of AdamW's exp_avg / exp_avg_sq (one writer per shard)
+                                   of Adam's exp_avg / exp_avg_sq (one writer per shard)
             .metadata              torch.distributed.checkpoint's index of every shard (a pickle)
             common.pt              scheduler state and optimizer param groups (rank 0)
             metadata.json          megatron's format tag
         rng/rank_<rank>.pt         each rank's python / numpy / torch (+ CUDA) RNG states
         meta.json                  policy version, the caller's `extra`, the layout (world, tp, pp,
-                                   dp), AdamW's common step, library versions
+                                   dp), Adam's common step, library versions
         manifest.json              size + sha256 of every file above, and a digest of itself
 
 One format for every layout, one process included (one code path, and a single-process
@@ -400,7 +400,7 @@ def save_checkpoint(learner: Any, root: str | Path, extra: dict | None = None,
     def state() -> dict[str, Any]:
         model = ms.model_sharded(learner.model)
         return {"model": model, "optimizer": ms.optimizer_sharded(learner.opt, model, opt_common),
-                "optimizer_groups": opt_common["param_groups"], "scheduler": learner.sched.state_dict()}
+                "optimizer_groups": opt_common["param_groups"], "scheduler": learner.opt.scheduler_state()}
 
     sharded = _on_every_rank(lambda r, w: state())
     root = Path(root)
@@ -537,14 +537,13 @@ def load_checkpoint(learner: Any, root: str | Path, step: int | None = None, che
             raise CheckpointError(f"checkpoint {d}: sharded state cannot be read: {e}") from e
 
     loaded = _on_every_rank(read)
-    opt_common["param_groups"] = loaded["optimizer_groups"]
     missing, unexpected = learner.model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("._extra_state")]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {d}: model state does not match: missing {missing[:8]}, "
                               f"unexpected {unexpected[:8]}")
-    learner.opt.load_state_dict(ms.optimizer_state_dict(learner.opt, loaded["optimizer"], opt_common))
-    learner.sched.load_state_dict(loaded["scheduler"])
+    ms.load_optimizer(learner.opt, loaded.get("optimizer", {}), opt_common)
+    learner.opt.load_scheduler_state(loaded["scheduler"])
     learner.version = int(meta["version"])
     ms.set_rng_state(rng["state"], process_only=not rng["same_layout"])
     if not rng["same_layout"] and _group()[0] == 0:

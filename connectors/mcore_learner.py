@@ -1,8 +1,8 @@
 """The megatron-core learner: SFT and RL steps on a GPTModel built from an HF directory.
 
-Optimizer: torch AdamW. Megatron's own optimizer needs DDP-wrapped models and, on CPU, a
-device redirect plus a CPU grad-clip (FACTS.md); AdamW is element-wise, so it gives the
-same update on tensor-parallel shards. Gradient clipping by global norm; LR schedule linear
+Optimizer (connectors/mcore_optimizer.py): megatron's DistributedDataParallel and Adam from
+`get_megatron_optimizer`, the distributed optimizer when there are several data-parallel ranks
+(each keeps 1/dp of Adam's moments). Gradient clipping by global norm; LR schedule linear
 warm-up then constant (counted in optimizer steps). A claimed batch is trained in
 `mini_batches` x `epochs` optimizer steps (1 x 1 by default) after its proximal log-probs and
 off-policy correction are taken once; the objective of a micro-batch is
@@ -63,19 +63,19 @@ class Sample:
 
 class MegatronLearner:
     def __init__(self, model_dir: str | Path, lr: float = 1e-4, grad_clip: float = 1.0, weight_decay: float = 0.0,
-                 warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False) -> None:
+                 warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False,
+                 distributed_optimizer: bool = True, adam_eps: float = 1e-8) -> None:
         from streamrl.connectors.mcore_model import load_model
+        from streamrl.connectors.mcore_optimizer import Optimizer
 
         self.model, self.bridge = load_model(model_dir)  # with pp > 1: this stage's chunk
         self.ref = load_model(model_dir)[0].eval() if with_reference else None
         if self.ref is not None:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
-        self.grad_clip = grad_clip
+        self.opt = Optimizer(self.model, lr=lr, grad_clip=grad_clip, weight_decay=weight_decay,
+                             warmup_steps=warmup_steps, adam_eps=adam_eps, distributed=distributed_optimizer)
+        self.params = self.opt.params
         self.micro_batch_size = micro_batch_size
         self.version = 0  # +1 per SFT step and per claimed RL batch (however many optimizer steps it took)
         self.nonfinite_skipped = 0  # optimizer steps skipped for a non-finite loss or gradient norm, so far
@@ -147,22 +147,15 @@ class MegatronLearner:
         """Clip by global norm and step, unless the loss (summed over ranks) or the gradient norm
         is not finite: then the gradients are dropped and the weights, the optimizer's moments and
         the LR schedule stay exactly as they were (counted in `nonfinite_skipped`)."""
-        norm = self.par.reduce_grads_and_norm(self.params)
-        lr = self.opt.param_groups[0]["lr"]
+        norm = self.opt.finish_grads()
+        lr = self.opt.lr
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            self.opt.zero_grad(set_to_none=True)
+            self.opt.drop_grads()
             self.nonfinite_skipped += 1
             log.warning("optimizer step skipped: loss %s, gradient norm %s (%d skipped so far)", loss, norm,
                         self.nonfinite_skipped)
             return {"grad_norm": norm, "lr": lr, "skipped": "nonfinite"}
-        coef = self.grad_clip / (norm + 1e-6)
-        if coef < 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+        self.opt.step(norm)
         return {"grad_norm": norm, "lr": lr, "skipped": None}
 
     # ------------------------------------------------------------ steps
@@ -188,7 +181,7 @@ class MegatronLearner:
 
             return out, loss_fn
 
-        losses = self.par.run_schedule(self.model, batches, step, forward_only=False)
+        losses = self.par.run_schedule(self.opt.ddp, batches, step, forward_only=False)
         loss_sum = self.par.dp_sum(self.par.floats_from_last_stage([sum(losses)])[0])
         step_out = self._optimizer_step(loss_sum)
         self.version += 1
@@ -234,7 +227,7 @@ class MegatronLearner:
         tokens = self.par.dp_sum(sum(float(x.mask.sum()) for _, x in mini))
         st = dict.fromkeys((*self._SUMS, "ratio_max"), 0.0)
         if total == 0:  # nothing in the loss; Adam's momentum alone would still move the weights
-            return {**st, "grad_norm": 0.0, "lr": self.opt.param_groups[0]["lr"], "skipped": "empty"}
+            return {**st, "grad_norm": 0.0, "lr": self.opt.lr, "skipped": "empty"}
         todo = [(b, x) for (b, x), u in zip(mini, units) if u > 0]
         for (_, x), u in zip(todo, [u for u in units if u > 0]):
             x.share = u / total
@@ -246,7 +239,7 @@ class MegatronLearner:
                 return out, None
             return out, lambda _: micro_batch_loss(*self._logp(out, b, cfg.temperature, True), x, cfg)  # type: ignore[arg-type]
 
-        parts = self.par.run_schedule(self.model, [b for b, _ in todo], step, forward_only=False)
+        parts = self.par.run_schedule(self.opt.ddp, [b for b, _ in todo], step, forward_only=False)
         for (_, x), p in zip(todo, parts):  # the last stage's numbers (no parts elsewhere)
             for k in ("loss", "pg_loss", "kl", "entropy"):
                 st[k] += float(p[k]) * x.share
@@ -301,5 +294,4 @@ class MegatronLearner:
 
     def state_bytes(self) -> int:
         """Bytes of this rank's parameters and optimizer state (what parallelism divides)."""
-        tensors = [*self.params, *(t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t))]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self.opt.state_bytes()

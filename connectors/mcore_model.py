@@ -57,6 +57,9 @@ def make_bridge(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> An
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
     if not _has_te():
         cfg.sequence_parallel = False  # mbridge turns it on with TP; it needs TE/Apex norms
+    # Losses come weighted by their share of the whole step over all ranks: the schedule must not
+    # divide them by the number of micro-batches, nor DDP average gradients over DP.
+    cfg.calculate_per_token_loss = True
     cfg.variable_seq_lengths = True  # micro-batches are padded to their own longest row: pipeline
     # stages exchange each activation's shape before it (only pp > 1 sends anything)
     return bridge

@@ -9,9 +9,9 @@ Layout (megatron's order): ranks are grouped tp-fastest, then dp, then pp; world
   pp = 1) on this stage's GPTModel chunk. Only the last stage sees logits: it computes the loss
   and the log-probs, and `from_last_stage` hands tensors/numbers to the other stages so every
   rank takes the same decisions and reports the same metrics.
-- DP: gradients are all-reduced in a few flat buckets; tied embeddings (first and last stage
-  each hold a copy when pp > 1) get their gradients summed over the embedding group, as
-  megatron's finalize_model_grads does.
+- DP: the batch is split by the learner; gradients are reduced by megatron's
+  DistributedDataParallel and finalize_model_grads (connectors/mcore_optimizer.py), which also
+  sums the gradients of tied embeddings over their two stages when pp > 1.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
-BUCKET_BYTES = 64 << 20  # DP all-reduce bucket: few collectives, bounded extra memory
-
 
 def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, port: int = 0,
                      listen_fd: int | None = None) -> None:
@@ -90,7 +87,6 @@ class Parallel:
         self.dp_group = mpu.get_data_parallel_group()
         self.first_stage, self.last_stage = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
         self.last_rank = mpu.get_pipeline_model_parallel_last_rank()  # global rank of our last stage
-        self.embedding_group = mpu.get_embedding_group() if self.pp > 1 and mpu.is_rank_in_embedding_group() else None
         self.rank = dist.get_rank()
 
     # ------------------------------------------------------------ forward
@@ -104,8 +100,9 @@ class Parallel:
         their lengths may differ). `step(chunk, i)` runs the chunk on micro-batch i and returns
         (output, loss_fn): on the last
         stage `loss_fn(output)` gives (loss, metrics) and the loss is back-propagated as it is
-        (the schedule's division by the number of micro-batches is undone: each loss is already
-        weighted by its share of the step); with loss_fn None the output itself is collected.
+        (each loss is already weighted by its share of the step: the model config's
+        `calculate_per_token_loss` keeps the schedule from dividing it by the number of
+        micro-batches); with loss_fn None the output itself is collected.
         Returns, on the last stage, what was collected per micro-batch in order; elsewhere []."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -118,9 +115,9 @@ class Parallel:
             if loss_fn is None:
                 return out, None
 
-            def undivided(output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            def undivided(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
                 loss, metrics = loss_fn(output)
-                return loss * n, metrics  # the schedule divides by n in place
+                return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
 
             return out, undivided
 
@@ -164,62 +161,3 @@ class Parallel:
         t = torch.tensor([x], dtype=torch.float64, device=self._device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.dp_group)
         return float(t)
-
-    # ------------------------------------------------------------ gradients
-
-    def reduce_grads_and_norm(self, params: Sequence[torch.nn.Parameter]) -> float:
-        """Make every rank's gradients the full step's (tied embeddings summed over their two
-        stages, DP all-reduce in buckets) and return the global L2 norm: TP shards summed over
-        the TP group, replicated parameters (norms) once, each stage's share summed over the PP
-        group, the last stage's copy of tied embeddings left out (it equals the first stage's)."""
-        import torch.distributed as dist
-
-        if self.dp > 1 or self.embedding_group is not None:
-            for p in params:
-                if p.grad is None:  # a rank with no rows in this step still joins every all-reduce
-                    p.grad = torch.zeros_like(p)
-        if self.embedding_group is not None:
-            for p in params:
-                if getattr(p, "shared_embedding", False):
-                    dist.all_reduce(p.grad, group=self.embedding_group)
-        if self.dp > 1:  # losses are pre-weighted: a sum is the full-batch gradient
-            all_reduce_bucketed([p.grad for p in params], self.dp_group)
-        device = params[0].device if params else self._device()
-        sharded = torch.zeros((), dtype=torch.float64, device=device)
-        replicated = torch.zeros((), dtype=torch.float64, device=device)
-        for p in params:
-            if p.grad is None or getattr(p, "shared", False):
-                continue
-            sq = p.grad.double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.tp > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        total = sharded + replicated
-        if self.pp > 1:
-            dist.all_reduce(total, group=self.pp_group)
-        return float(total.sqrt())
-
-
-def all_reduce_bucketed(tensors: Sequence[torch.Tensor], group: Any, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Sum `tensors` in place over `group`, a few flat buffers at a time (one per dtype and up
-    to `bucket_bytes`) rather than one collective per tensor."""
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in sorted(tensors, key=lambda x: str(x.dtype)):  # stable: same order on every rank
-        nbytes = t.numel() * t.element_size()
-        if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(t)
-        size += nbytes
-    for bucket in buckets:
-        flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
-        for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            t.copy_(reduced)

@@ -1,14 +1,16 @@
 """The learner's state as megatron `dist_checkpointing` sharded state: model parameters and
-AdamW moments as ShardedTensors with each parameter's global shape and offset, so a state
+Adam moments as ShardedTensors with each parameter's global shape and offset, so a state
 saved with one tensor/pipeline/data-parallel layout loads into another. Used by
 connectors/mcore_checkpoint.py, which owns the directory protocol around it.
 
 - Model: `model.sharded_state_dict()` (megatron GPTModel: keys carry global layer numbers,
   TP shards their offsets, replicas a `replica_id`, so one rank writes each shard). A plain
   torch module has no sharding: its tensors are saved whole, by rank 0.
-- Optimizer: torch AdamW's `exp_avg` / `exp_avg_sq` of a parameter get that parameter's
-  sharding (megatron's `optim_state_to_sharding_state`); `step` is common (AdamW steps all
-  parameters together), as in megatron's own optimizer.
+- Optimizer: Adam's `exp_avg` / `exp_avg_sq` of a parameter (whole, however the distributed
+  optimizer slices them over data-parallel ranks: connectors/mcore_optimizer.py) get that
+  parameter's sharding, under megatron's key names (`optimizer.state.<key>.<parameter key>`);
+  `step` is common (Adam steps all parameters together), as in megatron's own optimizer.
+  The optimizer's hyper-parameters are saved for the record and come from the recipe on load.
 - `_extra_state` ShardedObjects are left out: the local (non-TE) layers keep None there, and
   torch_dist would store objects as pickles that load with `torch.load(weights_only=False)`.
   A non-empty one (TransformerEngine FP8 metadata) is refused at save time.
@@ -98,41 +100,35 @@ def _empty_extra_state(data: Any) -> bool:
     return data is None or data == b""
 
 
-def _params(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    return [p for g in opt.param_groups for p in g["params"]]
+def optimizer_common(opt: Any) -> dict[str, Any]:
+    """What is the same on every rank: the common Adam `step` (None before the first), the
+    state's tensor keys, and the param groups' hyper-parameters (without their parameters).
+    Collective over DP with the distributed optimizer."""
+    from streamrl.connectors.mcore_optimizer import STATE_KEYS
 
-
-def optimizer_common(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """What is the same on every rank: the common `step`, the state's tensor keys, and the
-    param groups' hyper-parameters (without their parameter ids)."""
-    steps, keys = set(), set()
-    for s in opt.state.values():
-        steps.add(float(s["step"]))
-        keys |= {k for k in s if k != "step"}
-    if len(steps) > 1:
-        raise ValueError(f"optimizer parameters are at different steps {sorted(steps)}: a sharded checkpoint "
-                         "stores one common AdamW step")
+    step = opt.step_count()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"step": steps.pop() if steps else None, "state_keys": sorted(keys), "param_groups": groups}
+    return {"step": step, "state_keys": list(STATE_KEYS) if step is not None else [], "param_groups": groups}
 
 
-def optimizer_sharded(opt: torch.optim.Optimizer, model_sd: dict[str, Any], common: dict[str, Any],
+def optimizer_sharded(opt: Any, model_sd: dict[str, Any], common: dict[str, Any],
                       template: bool = False) -> dict[int, dict[str, Any]]:
     """{param index: {state key: ShardedTensor}} with each parameter's sharding. `template`:
-    fresh tensors to load into (the optimizer itself is not touched)."""
+    fresh tensors to load into (the optimizer itself is not touched); else collective over DP
+    with the distributed optimizer."""
     from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
                                                             make_sharded_optimizer_tensor)
 
-    params = _params(opt)
+    if not common["state_keys"]:
+        return {}
+    params = opt.params
+    states = {} if template else opt.param_states()
     by_id = get_param_id_to_sharded_param_map(model_sd, params)
     out: dict[int, dict[str, Any]] = {}
     for i, p in enumerate(params):
-        state = opt.state.get(p, {})
-        if not template and not state:
-            continue
         if i not in by_id:
             raise ValueError(f"optimizer parameter {i} {tuple(p.shape)} is not in the model's sharded state")
-        out[i] = {k: make_sharded_optimizer_tensor(by_id[i], torch.empty_like(p) if template else state[k],
+        out[i] = {k: make_sharded_optimizer_tensor(by_id[i], torch.empty_like(p) if template else states[p][k],
                                                    prefix=f"{OPT_PREFIX}.{k}")
                   for k in common["state_keys"]}
     return out
@@ -151,17 +147,9 @@ def detach_template(sd: dict[str, Any]) -> dict[str, Any]:
     return sd
 
 
-def optimizer_state_dict(opt: torch.optim.Optimizer, loaded: dict[Any, dict[str, torch.Tensor]],
-                         common: dict[str, Any]) -> dict[str, Any]:
-    """A torch `opt.load_state_dict` argument for this layout's parameters."""
-    current = opt.state_dict()
-    groups = [{**g, **{k: v for k, v in saved.items() if k in g}, "params": g["params"]}
-              for g, saved in zip(current["param_groups"], common["param_groups"])]
-    state = {}
-    if common["step"] is not None:
-        state = {int(i): {"step": torch.tensor(common["step"], dtype=torch.float32), **s}
-                 for i, s in loaded.items()}
-    return {"state": state, "param_groups": groups}
+def load_optimizer(opt: Any, loaded: dict[Any, dict[str, torch.Tensor]], common: dict[str, Any]) -> None:
+    """Give `opt` the moments read into `optimizer_sharded(..., template=True)`'s tensors."""
+    opt.load_param_states({p: loaded[i] for i, p in enumerate(opt.params) if i in loaded}, common["step"])
 
 
 def save_strategy() -> Any:

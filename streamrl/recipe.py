@@ -175,6 +175,8 @@ class ParallelCfg(_Cfg):
     tp: PosInt = 1  # tensor parallel: attention heads, MLP and vocabulary split over tp ranks
     pp: PosInt = 1  # pipeline parallel: the layers split into pp stages (1F1B over micro-batches)
     dp: PosInt | Literal["auto"] = 1  # data parallel replicas; auto = learner.num_gpus / (tp * pp), 1 on CPU
+    # with dp > 1: each DP rank keeps 1/dp of Adam's moments (megatron's distributed optimizer, ZeRO-1)
+    distributed_optimizer: bool = True
 
 
 class LearnerCfg(_Cfg):

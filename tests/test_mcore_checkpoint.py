@@ -50,9 +50,9 @@ TRAIN = """
     after = [learner.sft_step(batch()) for _ in range(2)]
     save_file({k: v.contiguous() for k, v in learner.model.state_dict().items() if isinstance(v, torch.Tensor)},
               out)
-    exp_avg = sum(float(s["exp_avg_sq"].sum()) for s in learner.opt.state.values())
+    exp_avg = sum(float(s["exp_avg_sq"].sum()) for s in learner.opt.param_states().values())
     print(json.dumps({"start": start, "version": learner.version, "extra": extra, "after": after,
-                      "exp_avg_sq": exp_avg, "last_epoch": learner.sched.last_epoch}))
+                      "exp_avg_sq": exp_avg, "last_epoch": learner.opt.last_epoch}))
 """
 
 
@@ -100,27 +100,56 @@ CRASH = """
     from streamrl.connectors import mcore_checkpoint as mc
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports take ~1 s: once, here
 
+    class Adam:  # torch AdamW with warm-up behind the learner optimizer's checkpoint interface (mcore_optimizer)
+        def __init__(self, params):
+            self.params = list(params)
+            self.inner = torch.optim.AdamW(self.params, lr=1e-3)
+            self.param_groups, self.last_epoch = self.inner.param_groups, 0
+            self.load_scheduler_state({"last_epoch": 0})
+
+        def step(self):
+            self.inner.step(); self.inner.zero_grad(set_to_none=True)
+            self.load_scheduler_state({"last_epoch": self.last_epoch + 1})
+
+        def step_count(self):
+            steps = {float(s["step"]) for s in self.inner.state.values()}
+            return steps.pop() if steps else None
+
+        def param_states(self):
+            return {p: {k: self.inner.state[p][k] for k in ("exp_avg", "exp_avg_sq")} for p in self.inner.state}
+
+        def load_param_states(self, states, step):
+            self.inner.state.clear()
+            for p, s in states.items():
+                self.inner.state[p] = {"step": torch.tensor(step), **{k: v.clone() for k, v in s.items()}}
+
+        def scheduler_state(self):
+            return {"last_epoch": self.last_epoch}
+
+        def load_scheduler_state(self, state):
+            self.last_epoch = state["last_epoch"]
+            self.param_groups[0]["lr"] = 1e-3 * min(1.0, (self.last_epoch + 1) / 5)
+
     class Learner:
         def __init__(self):
             torch.manual_seed(0)
             self.model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 5))
+            self.opt = Adam(self.model.parameters())
             self.version = 0
 
         def step(self):
             self.model(torch.randn(8, 256)).pow(2).mean().backward()
-            self.opt.step(); self.opt.zero_grad(set_to_none=True); self.sched.step(); self.version += 1
+            self.opt.step(); self.version += 1
 
     def fingerprint(l):
         h = hashlib.sha256()
         for t in l.model.state_dict().values():
             h.update(t.numpy().tobytes())
-        for s in l.opt.state_dict()["state"].values():
+        for s in l.opt.inner.state_dict()["state"].values():
             for k in sorted(s):
                 h.update(s[k].numpy().tobytes())
         h.update(torch.get_rng_state().numpy().tobytes())
-        h.update(json.dumps([l.sched.last_epoch, l.opt.param_groups[0]["lr"], l.version]).encode())
+        h.update(json.dumps([l.opt.last_epoch, l.opt.param_groups[0]["lr"], l.version]).encode())
         return h.hexdigest()
 
     def attempt(root, stage, out):

@@ -44,11 +44,11 @@ SCRIPT = textwrap.dedent("""
             save_file({k: v.contiguous() for k, v in sd.items()}, f"{work}/{name}.safetensors")
 
     def derived(learner):  # pp: weights and moments set from the base weights, layout-independently
-        for p in learner.params:
-            with torch.no_grad():
+        with torch.no_grad():
+            for p in learner.params:
                 p.mul_(1.5).add_(0.01)
-            learner.opt.state[p] = {"step": torch.tensor(3.0), "exp_avg": p.detach() * 0.5,
-                                    "exp_avg_sq": p.detach() ** 2}
+        learner.opt.load_param_states({p: {"exp_avg": p.detach() * 0.5, "exp_avg_sq": p.detach() ** 2}
+                                       for p in learner.params}, step=3.0)
         learner.version = 3
 
     class NoCuda(torch.overrides.TorchFunctionMode):
@@ -83,10 +83,11 @@ SCRIPT = textwrap.dedent("""
             if src.startswith("pp"):
                 base = MegatronLearner(model)
                 ok = {"version": learner.version}
+                states, step = learner.opt.param_states(), learner.opt.step_count()
                 for (n, p), b in zip(learner.model.named_parameters(), base.model.parameters()):
-                    s = learner.opt.state[p]
+                    s = states[p]
                     ok[n] = [float((p - (b * 1.5 + 0.01)).abs().max()), float((s["exp_avg"] - p * 0.5).abs().max()),
-                             float((s["exp_avg_sq"] - p ** 2).abs().max()), float(s["step"])]
+                             float((s["exp_avg_sq"] - p ** 2).abs().max()), step]
                 out[f"{name}<-{src}"] = ok
                 continue
             weights(learner, f"{name}_loaded_{src}")

@@ -112,7 +112,7 @@ MINI = BATCH + """
         learner = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=4)
         m = learner.rl_step(batch(), RLConfig(mini_batches=2, eps_clip_low=eps, eps_clip_high=eps, off_policy="tis"))
         out[str(eps)] = {"steps": m["optim_steps"], "optimizer_steps": m["optimizer_steps"],
-                         "version": learner.version, "digest": digest(learner), "last_epoch": learner.sched.last_epoch}
+                         "version": learner.version, "digest": digest(learner), "last_epoch": learner.opt.last_epoch}
     # one mini-batch, one epoch: one plain step, against the same step written out by hand
     learner = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=64)
     m = learner.rl_step(batch(), RLConfig())
@@ -126,10 +126,13 @@ MINI = BATCH + """
     adv = torch.tensor([s.advantage for s in rows])[:, None] * b.resp_mask
     ratio = torch.exp(logp - prox)
     loss = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv) * b.resp_mask).sum() / b.resp_mask.sum()
-    loss.backward()
-    norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in by_hand.params))
-    torch.nn.utils.clip_grads_with_norm_(by_hand.params, 1.0, norm)
-    by_hand.opt.step()
+    loss.backward()  # megatron's DDP hooks move each gradient into the parameter's main_grad
+    grads = [p.main_grad for p in by_hand.params]
+    norm = torch.norm(torch.stack([torch.norm(g) for g in grads]))  # float32 per tensor, as megatron's clip_grads
+    coef = min(1.0, 1.0 / (float(norm) + 1e-6))  # clip to norm 1
+    for p, g in zip(by_hand.params, grads):
+        p.grad = g * coef
+    torch.optim.AdamW(by_hand.params, lr=3e-3, weight_decay=0.0, eps=1e-8).step()
     diff = max(float((a - b).abs().max()) for a, b in zip(learner.params, by_hand.params))
     out["one"] = {"optimizer_steps": m["optimizer_steps"], "loss": m["loss"], "loss_by_hand": float(loss),
                   "grad_norm": m["grad_norm"], "grad_norm_by_hand": float(norm), "max_weight_diff": diff}
@@ -152,7 +155,9 @@ def test_two_mini_batches_make_the_clip_act_and_one_is_a_plain_step(model_dir: P
     assert one["optimizer_steps"] == 1
     assert one["loss"] == pytest.approx(one["loss_by_hand"], rel=1e-6)
     assert one["grad_norm"] == pytest.approx(one["grad_norm_by_hand"], rel=1e-6)
-    assert one["max_weight_diff"] == 0.0, one  # bit for bit
+    # megatron's clip takes the norm through float32 norms per tensor and a Python float: the clip
+    # coefficient may differ in its last bit, i.e. ~1 ulp of a weight; a wrong update moves them by ~lr (3e-3)
+    assert one["max_weight_diff"] <= 1e-7, one
 
 
 SPLIT = BATCH + """
@@ -182,8 +187,8 @@ NONFINITE = BATCH + """
     cfg = RLConfig(off_policy="tis")
     first = learner.rl_step(batch(0), cfg)  # Adam has moments from here on
     weights = {k: v.clone() for k, v in learner.model.state_dict().items() if isinstance(v, torch.Tensor)}
-    moments = copy.deepcopy(learner.opt.state_dict())
-    epochs = [learner.sched.last_epoch]
+    moments = {id(p): s for p, s in learner.opt.param_states().items()}
+    epochs = [learner.opt.last_epoch]
     bad = batch(1)
     if sys.argv[2] == "inf_advantage":
         bad[5].advantage = float("inf")
@@ -191,13 +196,13 @@ NONFINITE = BATCH + """
         bad[5].rollout_logprobs = [float("nan")] * len(bad[5].response)
     skipped = learner.rl_step(bad, cfg)
     same_weights = all(torch.equal(v, learner.model.state_dict()[k]) for k, v in weights.items())
-    after = learner.opt.state_dict()
-    same_moments = all(torch.equal(a, after["state"][i][k]) for i, s in moments["state"].items() for k, a in s.items()
-                       if isinstance(a, torch.Tensor))
+    after = {id(p): s for p, s in learner.opt.param_states().items()}
+    same_moments = after.keys() == moments.keys() and all(
+        torch.equal(a, after[i][k]) for i, s in moments.items() for k, a in s.items())
     version_after_skip = learner.version
-    epochs.append(learner.sched.last_epoch)
+    epochs.append(learner.opt.last_epoch)
     good = learner.rl_step(batch(2), cfg)
-    epochs.append(learner.sched.last_epoch)
+    epochs.append(learner.opt.last_epoch)
     moved = not all(torch.equal(v, learner.model.state_dict()[k]) for k, v in weights.items())
     print(json.dumps({"skipped": {k: skipped[k] for k in ("nonfinite_skipped", "nonfinite_skipped_total",
                                                           "optimizer_steps", "loss")},

@@ -157,7 +157,8 @@ class LearnerDriver(WeightSource):
         lc = recipe.learner
         self.r = recipe
         self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
-                                       micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0)
+                                       micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0,
+                                       distributed_optimizer=lc.parallel.distributed_optimizer)
         self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature,
                                         mode_bound(recipe.run.mode, recipe.staleness.max_staleness))
         self.pool = None
@@ -207,18 +208,14 @@ class LearnerDriver(WeightSource):
         """Cross-entropy steps on (prompt, response) rows at `lr` (`cosine`: falling to lr/10);
         afterwards the RL optimizer starts fresh at version 0 and the reference model (for KL) is
         the warm-started policy."""
-        rl_lr = self.learner.opt.param_groups[0]["lr"]
         rng = np.random.default_rng(seed)
         losses = []
         for step in range(steps):
-            for g in self.learner.opt.param_groups:
-                g["lr"] = lr if schedule == "constant" else lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+            self.learner.opt.set_lr(lr if schedule == "constant" else
+                                    lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))))
             idx = rng.choice(len(rows), size=min(batch_size, len(rows)), replace=False)
             losses.append(self.learner.sft_step([rows[i] for i in idx])["loss"])
-        self.learner.opt = torch.optim.AdamW(self.learner.params, lr=rl_lr, weight_decay=0.0)
-        lc = self.r.learner
-        self.learner.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.learner.opt, lambda s: min(1.0, (s + 1) / lc.warmup_steps) if lc.warmup_steps else 1.0)
+        self.learner.opt.reset(self.r.learner.lr)
         self.learner.version = 0
         self.learner.nonfinite_skipped = 0  # the running count is of RL steps
         if self.learner.ref is not None:
