@@ -1,6 +1,7 @@
 """Tensor parallel 2, pipeline parallel 2 (Megatron's 1F1B schedule) and data parallel 2 (two
-processes, gloo) give the same losses, gradient norms and published weights as one process
-over 3 RL steps; and the token-balanced data-parallel split."""
+processes, gloo; with and without megatron's distributed optimizer) give the same losses,
+gradient norms and published weights as one process over 3 RL steps; and the token-balanced
+data-parallel split."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import sys, json, random
     rank, world, tp, pp, port, fd = map(int, sys.argv[1:7])
-    model_dir, out = sys.argv[7], sys.argv[8]
+    model_dir, out, distopt = sys.argv[7], sys.argv[8], sys.argv[9] == "1"
     from safetensors.torch import save_file
     from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_distributed
     init_distributed(rank, world, tp=tp, pp=pp, seed=0, port=port, listen_fd=fd if rank == 0 else None)
@@ -36,7 +37,8 @@ SCRIPT = textwrap.dedent("""
         # differs with the layout (a TP all-reduce sums in another order) would move such weights
         # by up to ~1% of lr; a larger eps damps steps of tiny gradients and keeps the comparison
         # of published weights about the layout, not about rounding.
-        learner = MegatronLearner(model_dir, lr=1e-2, micro_batch_size=4, with_reference=True, adam_eps=1e-4)
+        learner = MegatronLearner(model_dir, lr=1e-2, micro_batch_size=4, with_reference=True, adam_eps=1e-4,
+                                  distributed_optimizer=distopt)
         assert (learner.tp, learner.pp, learner.dp) == (tp, pp, world // (tp * pp))
         steps = [learner.rl_step(samples, RLConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg))
                  for _ in range(3)]
@@ -53,14 +55,15 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(world: int, tp: int, pp: int, model: Path, out: Path) -> list[subprocess.Popen[str]]:
+def _launch(world: int, tp: int, pp: int, model: Path, out: Path, distopt: bool = True) -> list[subprocess.Popen[str]]:
     from streamrl.connectors.ports import listen_socket, port_of
 
     out.mkdir(parents=True)
     with listen_socket() as sock:  # rank 0 serves the store on it (no port to race for)
         fd = sock.fileno()
         return [subprocess.Popen([sys.executable, "-c", SCRIPT, str(r), str(world), str(tp), str(pp),
-                                  str(port_of(sock)), str(fd), str(model), str(out)], pass_fds=(fd,) if r == 0 else (),
+                                  str(port_of(sock)), str(fd), str(model), str(out), str(int(distopt))],
+                                 pass_fds=(fd,) if r == 0 else (),
                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for r in range(world)]
 
@@ -90,8 +93,8 @@ def test_tp2_pp2_dp2_match_one_process(tmp_path: Path) -> None:
     runs = {"tp2": _launch(2, 2, 1, model, tmp_path / "tp2")}  # beside the reference: 3 processes at once
     (ref,) = _results(single)
     got = {"tp2": _results(runs["tp2"])}
-    for layout, (tp, pp) in (("pp2", (1, 2)), ("dp2", (1, 1))):
-        got[layout] = _results(_launch(2, tp, pp, model, tmp_path / layout))
+    for layout, (tp, pp, distopt) in (("pp2", (1, 2, True)), ("dp2", (1, 1, True)), ("dp2-replicated", (1, 1, False))):
+        got[layout] = _results(_launch(2, tp, pp, model, tmp_path / layout, distopt))
     initial = _initial(model)
     for layout, ranks in got.items():
         for agg in ("token", "group"):
@@ -108,8 +111,12 @@ def test_tp2_pp2_dp2_match_one_process(tmp_path: Path) -> None:
             assert diff <= 1e-5 and moved > 1e-3
         most = max(r["bytes"] for r in ranks)
         print(f"{layout}: parameters + optimizer state per rank {most} B (one process {ref['bytes']} B)")
-        # model parallelism divides what a rank holds; DP divides Adam's moments (the distributed optimizer)
-        assert most < 0.75 * ref["bytes"]
+        # model parallelism divides what a rank holds; DP divides Adam's moments only through the
+        # distributed optimizer (without it every DP rank holds all of them)
+        if layout == "dp2-replicated":
+            assert most == ref["bytes"]
+        else:
+            assert most < 0.75 * ref["bytes"]
 
 
 def _initial(model: Path) -> dict:
