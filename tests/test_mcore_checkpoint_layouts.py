@@ -156,19 +156,21 @@ def test_checkpoints_load_across_tp_dp_pp_layouts(tmp_path: Path) -> None:
     work.mkdir()
     ref = _launch(1, model, work, [{"name": "one", "train": 2, "then": 2}])["one"]
     two = _launch(2, model, work, [{"name": "tp2", "tp": 2, "train": 2, "load": ["one"], "damage": "tp2"},
-                                   {"name": "dp2", "train": 2},
+                                   {"name": "dp2", "train": 2, "load": ["one"]},  # into the distributed optimizer
                                    {"name": "pp2", "pp": 2, "derive": True}])
     back = _launch(1, model, work, [{"name": "tp1", "load": ["tp2", "dp2", "pp2"]}])
 
     assert ref[2]["grad_norm"] != pytest.approx(ref[0]["grad_norm"], rel=1e-3)  # the steps moved the policy
     _close(ref[:2], two["tp2"])  # tp=2 / dp=2 train as one process does (FACTS.md), so their
     _close(ref[:2], two["dp2"])  # checkpoints hold the reference's step-2 state
-    for got, src in ((two["tp2<-one"], "one"), (back["tp1<-tp2"], "tp2"), (back["tp1<-dp2"], "dp2")):
+    for got, src in ((two["tp2<-one"], "one"), (two["dp2<-one"], "one"), (back["tp1<-tp2"], "tp2"),
+                     (back["tp1<-dp2"], "dp2")):
         assert got["extra"] == {"saved_by": src} and got["version"] == 2, got
         assert got["lr"] == pytest.approx(1e-2), got  # warm-up scheduler state (3 steps) came along
         _close(ref[2:], got["steps"])  # steps 3 and 4: weights and Adam moments both restored
         assert got["warned"]  # RNG states do not map across layouts: said so
     _same_weights(work, "one", "tp2_loaded_one")
+    _same_weights(work, "one", "dp2_loaded_one")
     _same_weights(work, "tp2", "tp1_loaded_tp2")
     _same_weights(work, "dp2", "tp1_loaded_dp2")
 
