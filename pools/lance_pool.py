@@ -325,10 +325,11 @@ class LancePool:
 
     def claim_stats(self) -> dict[str, Any]:
         """How the claim keeps up: `rows_read` (rows read to track ready groups, in total),
+        `rows_scanned` (rows in the fragments those reads filtered: what they cost),
         `ready` (complete groups waiting), `broken` (groups set aside, see ReadySet),
         `incremental` (False for a pool from before stable row ids: every claim reads it whole)."""
         c, r = self._claimer, self._claimer.ready
-        return {"rows_read": c.rows_read, "ready": 0 if r is None else len(r),
+        return {"rows_read": c.rows_read, "rows_scanned": c.rows_scanned, "ready": 0 if r is None else len(r),
                 "broken": 0 if r is None else len(r.broken), "incremental": c.stable}
 
     def compact(self) -> None:
