@@ -358,12 +358,20 @@ class LancePool:
     def fragments(self, table: str = POOL_TABLE) -> int:
         return len(self._open(table).get_fragments()) if table in self._uris else 0
 
+    def small_fragments(self, table: str = POOL_TABLE) -> int:
+        """Fragments of `table` under COMPACT_TARGET_ROWS rows: those a compaction would merge."""
+        if table not in self._uris:
+            return 0
+        return sum(f.physical_rows < COMPACT_TARGET_ROWS for f in self._open(table).get_fragments())
+
     def maybe_compact(self) -> bool:
-        """Start a background compaction when `compact_every` fragments have accumulated in the
-        pool or claims table (each claim adds one to the latter)."""
+        """Start a background compaction when `compact_every` small fragments have accumulated in
+        the pool or claims table (each claim adds one to the latter). Full ones do not count: a
+        large pool is mostly full fragments, and compacting after every claim for them would
+        take CPU from the claims for nothing."""
         if not self.compact_every or (self._compacting and self._compacting.is_alive()):
             return False
-        if max(self.fragments(), self.fragments(CLAIMS_TABLE)) < self.compact_every:
+        if max(self.small_fragments(), self.small_fragments(CLAIMS_TABLE)) < self.compact_every:
             return False
         # Not a daemon: interpreter exit waits for it instead of killing Lance mid-write.
         self._compacting = threading.Thread(target=self.compact, name="pool-compact")
