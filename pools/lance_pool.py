@@ -360,15 +360,13 @@ class LancePool:
 
     def small_fragments(self, table: str = POOL_TABLE) -> int:
         """Fragments of `table` under COMPACT_TARGET_ROWS rows: those a compaction would merge."""
-        if table not in self._uris:
-            return 0
-        return sum(f.physical_rows < COMPACT_TARGET_ROWS for f in self._open(table).get_fragments())
+        frags = self._open(table).get_fragments() if table in self._uris else []
+        return sum(f.physical_rows < COMPACT_TARGET_ROWS for f in frags)
 
     def maybe_compact(self) -> bool:
         """Start a background compaction when `compact_every` small fragments have accumulated in
         the pool or claims table (each claim adds one to the latter). Full ones do not count: a
-        large pool is mostly full fragments, and compacting after every claim for them would
-        take CPU from the claims for nothing."""
+        large pool is mostly full ones, and compacting after every claim would slow the claims."""
         if not self.compact_every or (self._compacting and self._compacting.is_alive()):
             return False
         if max(self.small_fragments(), self.small_fragments(CLAIMS_TABLE)) < self.compact_every:
