@@ -64,6 +64,8 @@ figures (all rates are wall-clock, data generation excluded):
     p50_ms / p99_ms / rows_per_s  claim latency and claimed samples per second
     first_10_p50_ms    median of the first 10 claims (right after compaction, fewest fragments)
     fragments_min/max  Lance fragments in the pool table seen by the claims
+    rows_scanned_per_claim_p50/max  rows in the fragments a claim filtered to find new groups
+                       (those added since the claim before: flat in the pool's size)
   ledger_balanced    pool.ledger() accounts for every group afterwards (a correctness check)
   data               pool_mb / ipc_mb: bytes on disk; arrow_mb: in-memory Arrow size of the rows;
                      pool_mb_at_end includes versions compact() keeps for 10 minutes
@@ -207,7 +209,7 @@ def claim_phase(pool: LancePool, feed: list[SampleGroup], claims: int, top_versi
     lat: list[float] = []
     frags: list[int] = []
     compact_s: list[float] = []
-    rows0, read = pool.count_rows(), []
+    rows0, read, scanned = pool.count_rows(), [], []
     backlog0 = pool.count("status = 'complete'")
     for step in range(claims):
         if compact_at and pool.fragments() >= compact_at:
@@ -218,12 +220,14 @@ def claim_phase(pool: LancePool, feed: list[SampleGroup], claims: int, top_versi
             compact_s.append(time.perf_counter() - t0)
         pool.append(feed[step * BATCH_GROUPS : (step + 1) * BATCH_GROUPS], admit=True)  # producers keep going
         frags.append(pool.fragments())
-        read0 = pool.claim_stats()["rows_read"]
+        before = pool.claim_stats()
         t0 = time.perf_counter()
         # A bound wider than any version spread: the measured path is take, not drop.
         batch = pool.claim(step, top_version, BATCH_GROUPS, max_staleness=10**6, policy="drop")
         lat.append(time.perf_counter() - t0)
-        read.append(pool.claim_stats()["rows_read"] - read0)
+        after = pool.claim_stats()
+        read.append(after["rows_read"] - before["rows_read"])
+        scanned.append(after["rows_scanned"] - before["rows_scanned"])
         if batch is None or batch.num_samples != BATCH_GROUPS * GROUP:
             raise RuntimeError(f"claim {step} returned {batch and batch.num_samples} samples, expected 256")
     return {"pool_rows_at_start": rows0, "pool_rows_at_end": pool.count_rows(), "complete_rows_at_start": backlog0,
@@ -231,6 +235,8 @@ def claim_phase(pool: LancePool, feed: list[SampleGroup], claims: int, top_versi
             "samples_per_claim": BATCH_GROUPS * GROUP, **pct(lat),
             "first_10_p50_ms": pct(lat[:10])["p50_ms"], "rows_per_s": round(claims * BATCH_GROUPS * GROUP / sum(lat), 1),
             "rows_read_per_claim_max": max(read[1:], default=None), "rows_read_first_claim": read[0],
+            "rows_scanned_per_claim_p50": int(np.median(scanned[1:])) if claims > 1 else None,
+            "rows_scanned_per_claim_max": max(scanned[1:], default=None),
             "compact_at_fragments": compact_at, "compactions": len(compact_s),
             "compact_s_mean": round(float(np.mean(compact_s)), 2) if compact_s else None}
 

@@ -1,12 +1,16 @@
 """The learner's claim: whole groups, oldest first, recorded in the `claims` table in one commit.
 
-What a claim needs (complete groups nobody claimed yet) lives in a `ReadySet` in memory. The
-first claim fills it: the claims table, then the complete rows stored after the last claim's
-`ready_after_version`. Every later claim reads only the rows written or updated since the
-pool-table version it last saw (Lance's stable row ids keep each row's last-updated version,
-so compaction does not bring old rows back): its cost follows how much arrived since the last
-step, not how much the pool holds. Pools created before claims had stable row ids (old pools)
-are read whole every time instead: correct, and as slow as before.
+What a claim needs (complete groups nobody claimed yet) lives in a `ReadySet` in memory. Every
+claim after the first reads only the pool-table fragments added since the one before (Lance
+numbers fragments in the order they are made and never reuses a number; an append or a
+compaction adds fragments, nothing adds rows to an existing one), and of those only the rows
+written since (Lance's stable row ids keep each row's last-updated version, so the rows a
+compaction rewrote are not read as new): its cost follows how much arrived since the last step,
+not how much the pool holds. A learner that starts fills the set from the claims table and the
+rows stored after the last claim's `ready_after_version`, found the same way from that version's
+fragments while Lance still keeps it (versions older than 10 minutes are cleaned up; then every
+fragment is filtered, once). Pools created before claims had stable row ids (old pools) are
+read whole every time instead: correct, and as slow as before.
 
 The chosen groups are read back by row id and checked whole again (a group whose rows were
 deleted or replaced since is never handed out; one stored twice was already set aside when its
@@ -40,6 +44,17 @@ def quote(values: Sequence[str]) -> str:
     return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
 
 
+def _made_after(ds: Any, fragments: list[Any], version: int) -> list[Any] | None:
+    """Of `fragments` (of `ds`), those made after pool-table `version`: every row written after
+    it is in one of them. None when Lance no longer keeps that version (then any may hold one)."""
+    try:
+        old = ds.checkout_version(version)
+    except OSError:  # cleaned up (or never made): not found
+        return None
+    last = max((f.fragment_id for f in old.get_fragments()), default=-1)
+    return [f for f in fragments if f.fragment_id > last]
+
+
 class Claimer:
     """`open_table(name)`: a fresh pylance dataset at its latest version; `claims()`: the claims table."""
 
@@ -48,32 +63,43 @@ class Claimer:
         self._lock = threading.Lock()
         self.ready: ReadySet | None = None
         self.seen = -1  # pool-table version whose rows the ready set holds
+        self.last_fragment = -1  # highest pool-table fragment id at version `seen`
         self.stable = False  # the pool table has stable row ids (each row knows the version that wrote it)
         self.rows_read = 0  # rows read to keep the ready set up to date, since this object was made
+        self.rows_scanned = 0  # rows in the fragments those reads filtered (what they cost)
         self._claims_ds: Any = None
 
-    def _rows(self, ds: Any, where: str) -> pa.Table:
+    def _rows(self, ds: Any, where: str, fragments: list[Any] | None = None) -> pa.Table:
+        """READY_COLUMNS, row id and version of the rows `where` selects, in `fragments` (None: all)."""
         stable = ds.has_stable_row_ids
-        t = ds.to_table(columns=[*READY_COLUMNS, *([_VERSION_COL] if stable else [])], filter=where, with_row_id=True)
+        t = ds.scanner(columns=[*READY_COLUMNS, *([_VERSION_COL] if stable else [])], filter=where, with_row_id=True,
+                       fragments=fragments).to_table()
         version = t[_VERSION_COL].cast(pa.int64()) if stable else pa.repeat(pa.scalar(ds.version, pa.int64()), t.num_rows)
         self.rows_read += t.num_rows
+        self.rows_scanned += sum(f.physical_rows for f in (ds.get_fragments() if fragments is None else fragments))
         return (t.select(list(READY_COLUMNS)).append_column("row_id", t["_rowid"].cast(pa.int64()))
                 .append_column("version", version))
 
     def sync(self, ds: Any) -> None:
         """Bring the ready set up to `ds`'s version."""
         self.stable = ds.has_stable_row_ids
-        if self.ready is None or not ds.has_stable_row_ids:
+        fragments = ds.get_fragments() if self.stable else []
+        if self.ready is None or not self.stable:
             claims = self._claims()
             self.ready = ReadySet(claims["group_id"].to_pylist())
-            where = "status = 'complete'"
-            after = pc.max(claims["ready_after_version"]).as_py() if ds.has_stable_row_ids and claims.num_rows else None
+            where, scan = "status = 'complete'", None
+            after = pc.max(claims["ready_after_version"]).as_py() if self.stable and claims.num_rows else None
             if after is not None:
                 where += f" AND {_VERSION_COL} > {int(after)}"
-            self.ready.add_rows(self._rows(ds, where))
+                scan = _made_after(ds, fragments, int(after))
+            if scan != []:
+                self.ready.add_rows(self._rows(ds, where, scan))
         elif ds.version > self.seen:
-            self.ready.add_rows(self._rows(ds, f"{_VERSION_COL} > {self.seen}"))
+            new = [f for f in fragments if f.fragment_id > self.last_fragment]
+            if new:
+                self.ready.add_rows(self._rows(ds, f"{_VERSION_COL} > {self.seen}", new))
         self.seen = ds.version
+        self.last_fragment = max((f.fragment_id for f in fragments), default=self.last_fragment)
 
     def claim(self, step: int, learner_version: int, num_groups: int, max_staleness: int,
               policy: ConsumptionPolicy = "drop", select: Select | None = None) -> Batch | None:

@@ -325,10 +325,11 @@ class LancePool:
 
     def claim_stats(self) -> dict[str, Any]:
         """How the claim keeps up: `rows_read` (rows read to track ready groups, in total),
+        `rows_scanned` (rows in the fragments those reads filtered: what they cost),
         `ready` (complete groups waiting), `broken` (groups set aside, see ReadySet),
         `incremental` (False for a pool from before stable row ids: every claim reads it whole)."""
         c, r = self._claimer, self._claimer.ready
-        return {"rows_read": c.rows_read, "ready": 0 if r is None else len(r),
+        return {"rows_read": c.rows_read, "rows_scanned": c.rows_scanned, "ready": 0 if r is None else len(r),
                 "broken": 0 if r is None else len(r.broken), "incremental": c.stable}
 
     def compact(self) -> None:
@@ -357,12 +358,18 @@ class LancePool:
     def fragments(self, table: str = POOL_TABLE) -> int:
         return len(self._open(table).get_fragments()) if table in self._uris else 0
 
+    def small_fragments(self, table: str = POOL_TABLE) -> int:
+        """Fragments of `table` under COMPACT_TARGET_ROWS rows: those a compaction would merge."""
+        frags = self._open(table).get_fragments() if table in self._uris else []
+        return sum(f.physical_rows < COMPACT_TARGET_ROWS for f in frags)
+
     def maybe_compact(self) -> bool:
-        """Start a background compaction when `compact_every` fragments have accumulated in the
-        pool or claims table (each claim adds one to the latter)."""
+        """Start a background compaction when `compact_every` small fragments have accumulated in
+        the pool or claims table (each claim adds one to the latter). Full ones do not count: a
+        large pool is mostly full ones, and compacting after every claim would slow the claims."""
         if not self.compact_every or (self._compacting and self._compacting.is_alive()):
             return False
-        if max(self.fragments(), self.fragments(CLAIMS_TABLE)) < self.compact_every:
+        if max(self.small_fragments(), self.small_fragments(CLAIMS_TABLE)) < self.compact_every:
             return False
         # Not a daemon: interpreter exit waits for it instead of killing Lance mid-write.
         self._compacting = threading.Thread(target=self.compact, name="pool-compact")

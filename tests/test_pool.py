@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from streamrl.core.types import Admission
-from streamrl.pools import LancePool, PoolError, open_pool
+from streamrl.pools import LancePool, PoolError, lance_pool, open_pool
 from streamrl.pools.schema import POOL_SCHEMA
 
 from poolkit import (
@@ -731,6 +731,21 @@ def test_claims_trigger_background_compaction(run_dir):
         assert led.admitted == 12 and led.consumed == 2 and led.complete == 10 and led.balanced
         b = p.claim(step=1, learner_version=0, num_groups=10, max_staleness=BIG)
         assert [g.group_id for g in b.groups] == [f"bg{i:02d}" for i in range(2, 12)]
+
+
+def test_only_small_fragments_start_a_background_compaction(run_dir, monkeypatch):
+    monkeypatch.setattr(lance_pool, "COMPACT_TARGET_ROWS", 8)  # a fragment of 8 rows is full
+    pool = LancePool(run_dir / "pool", compact_every=4)
+    append_each(pool, [make_group(f"full{i}", n=8) for i in range(6)])
+    assert pool.fragments() == 6 and pool.small_fragments() == 0
+    assert not pool.maybe_compact()  # a pool of full fragments has nothing to merge
+    append_each(pool, [make_group(f"small{i}", n=2) for i in range(4)])
+    assert pool.small_fragments() == 4
+    assert pool.maybe_compact()
+    pool.close()
+    with LancePool(run_dir / "pool", create=False) as p:
+        assert p.small_fragments() == 0 and p.fragments() == 7  # the 4 small ones merged into one full one
+        assert p.ledger().complete == 10 and p.ledger().balanced
 
 
 # ====================================================================== opening: errors

@@ -5,6 +5,7 @@ Real Lance tables in tmp_path."""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lancedb
@@ -100,8 +101,54 @@ def test_a_restarted_learner_starts_reading_where_the_last_claim_said(run_dir: P
         b = second.claim(step=6, learner_version=6, num_groups=10, max_staleness=BIG)
         assert [g.group_id for g in b.groups] == [f"a{i:02d}" for i in range(30, 40)]
         assert second.claim_stats()["rows_read"] == 10 * 2  # not the 30 groups already claimed
+        assert second.claim_stats()["rows_scanned"] == 10 * 2  # only the fragments made after the last frontier
         assert second.claim(step=7, learner_version=7, num_groups=1, max_staleness=BIG) is None
         assert second.ledger().consumed == 40
+
+
+def test_a_claim_filters_only_the_fragments_added_since_the_last_one(run_dir: Path) -> None:
+    import lance
+
+    pool = LancePool(run_dir / "pool", compact_every=0)
+    append_each(pool, [make_group(f"h{i:02d}", n=4) for i in range(30)])
+    pool.claim(step=0, learner_version=0, num_groups=20, max_staleness=BIG)
+    stats = pool.claim_stats()
+    assert stats["rows_scanned"] == 30 * 4  # a learner's first claim filters every fragment
+    append_each(pool, [make_group("n0", n=4), make_group("n1", n=4)])
+    pool.claim(step=1, learner_version=0, num_groups=2, max_staleness=BIG)
+    assert pool.claim_stats()["rows_scanned"] - stats["rows_scanned"] == 2 * 4  # not the 30 groups before
+
+    uri = str(run_dir / "pool" / "pool.lance")
+    before = max(f.fragment_id for f in lance.dataset(uri).get_fragments())
+    pool.compact()
+    after = [f.fragment_id for f in lance.dataset(uri).get_fragments()]
+    assert min(after) > before  # what the claim relies on: a compaction's fragments come after every older one
+    pool.append([make_group("n2", n=4)], admit=True)
+    stats = pool.claim_stats()
+    b = pool.claim(step=2, learner_version=0, num_groups=11, max_staleness=BIG)
+    assert [g.group_id for g in b.groups] == [f"h{i}" for i in range(22, 30)] + ["n0", "n1", "n2"]
+    assert pool.claim_stats()["rows_read"] - stats["rows_read"] == 4  # the rewritten rows are not new again
+    assert pool.claim_stats()["rows_scanned"] - stats["rows_scanned"] == 33 * 4  # but were filtered once
+    pool.append([make_group("n3", n=4)], admit=True)
+    stats = pool.claim_stats()
+    assert [g.group_id for g in pool.claim(step=3, learner_version=0, num_groups=1, max_staleness=BIG).groups] == ["n3"]
+    assert pool.claim_stats()["rows_scanned"] - stats["rows_scanned"] == 4
+    assert pool.ledger().balanced
+    pool.close()
+
+
+def test_a_restart_after_the_frontier_version_was_cleaned_up_reads_every_fragment(run_dir: Path) -> None:
+    import lance
+
+    with LancePool(run_dir / "pool", compact_every=0) as first:
+        append_each(first, [make_group(f"c{i:02d}", n=2) for i in range(12)])
+        first.claim(step=0, learner_version=0, num_groups=4, max_staleness=BIG)
+    lance.dataset(str(run_dir / "pool" / "pool.lance")).cleanup_old_versions(older_than=timedelta(0))
+    with LancePool(run_dir / "pool", compact_every=0) as second:
+        b = second.claim(step=1, learner_version=1, num_groups=8, max_staleness=BIG)
+        assert [g.group_id for g in b.groups] == [f"c{i:02d}" for i in range(4, 12)]
+        assert second.claim_stats()["rows_scanned"] == 12 * 2  # no version to bound it by: every fragment, once
+        assert second.ledger().consumed == 12 and second.ledger().balanced
 
 
 def test_a_group_stored_again_is_never_claimed_twice(pool: LancePool) -> None:
