@@ -166,7 +166,7 @@ class PoolCfg(_Cfg):
     uri: str | None = None  # default <run dir>/pool; any LanceDB URI
     commit_max_rows: PosInt = 8192
     commit_linger_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
-    compact_every: NonNegInt = 64  # compact once this many fragments accumulate; 0 = never
+    compact_every: NonNegInt = 64  # compact once this many small fragments accumulate; 0 = never
 
 
 class ParallelCfg(_Cfg):
