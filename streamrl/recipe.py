@@ -12,7 +12,10 @@ Long file: the whole recipe schema is one typed tree a reader should see in one 
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import socket
+import sys
 import types
 import typing
 from pathlib import Path
@@ -368,6 +371,9 @@ def _locate(where: str, path: str, lines: dict[str, int], origin: dict[str, str]
     return f"{where}:{lines.get(probe, 1)}"
 
 
+DRIVER_IMPORTED_ENV = "STREAMRL_FNS_CHECKED"  # set for a run's Ray workers: every fn imported on the driver
+
+
 def resolve_fn(path: str) -> Any:
     """Import `pkg.module:function` and return the callable (raises ValueError saying why not)."""
     mod_name, _, attr = path.partition(":")
@@ -378,6 +384,10 @@ def resolve_fn(path: str) -> Any:
         if isinstance(e, ModuleNotFoundError) and mod_name.split(".")[0] in ("recipes", "connectors", "pools"):
             # The example plugins and connectors are installed under streamrl. since the package layout change.
             hint = f"; the examples are installed as {'streamrl.' + path!r}"
+        if os.environ.get(DRIVER_IMPORTED_ENV):  # in a run's Ray worker: the driver imported it when checking
+            hint = (f"; it imported on the driver but not on this worker (node {socket.gethostname()}): keep your "
+                    "modules in the recipe's directory or the working directory (runs ship those to every node) "
+                    "or install them on every node")
         raise ValueError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e}){hint}") from e
     fn = getattr(mod, attr, None)
     if fn is None:
@@ -387,7 +397,7 @@ def resolve_fn(path: str) -> Any:
     return fn
 
 
-def _fn_paths(obj: Any, path: str = "") -> list[tuple[str, str]]:
+def fn_paths(obj: Any, path: str = "") -> list[tuple[str, str]]:
     """(key path, dotted function path) for every function reference in a decoded recipe."""
     found: list[tuple[str, str]] = []
     if isinstance(obj, msgspec.Struct):
@@ -397,10 +407,10 @@ def _fn_paths(obj: Any, path: str = "") -> list[tuple[str, str]]:
             if name == "fn" and isinstance(val, str):
                 found.append((sub, val))
             else:
-                found.extend(_fn_paths(val, sub))
+                found.extend(fn_paths(val, sub))
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            found.extend(_fn_paths(v, f"{path}[{i}]"))
+            found.extend(fn_paths(v, f"{path}[{i}]"))
     return found
 
 
@@ -432,7 +442,7 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
         recipe = msgspec.convert(data, Recipe)
     except msgspec.ValidationError as e:
         raise RecipeError(_explain(e, where, lines, origin)) from None
-    for key, fn in _fn_paths(recipe):
+    for key, fn in fn_paths(recipe):
         try:
             resolve_fn(fn)
         except ValueError as e:
@@ -548,11 +558,16 @@ def learner_summary(r: Recipe) -> str:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """The recipe at `path`; its directory joins the end of sys.path, so `fn: my_rewards:score`
+    may name a module kept next to the recipe (runs ship such modules to every Ray node)."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise RecipeError(f"{p}: cannot read recipe ({e.strerror or e})") from None
+    here = str(p.resolve().parent)
+    if here not in sys.path:
+        sys.path.append(here)
     return parse_recipe(text, str(p), overrides)
 
 

@@ -15,6 +15,7 @@ Long file: the shared helpers every end-to-end test reads a run through.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -22,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -534,3 +535,58 @@ def spans_of(sample: Any) -> list[tuple[int, int, int]]:
 def resumed_samples(groups: Iterable[Any]) -> list[tuple[Any, Any]]:
     """(group, sample) for every sample whose tokens span several policy versions."""
     return [(g, s) for g in groups for s in g.samples if len({sp.version for sp in s.spans}) > 1]
+
+
+# ---------------------------------------------------------------- somebody's Ray cluster
+
+RAY = str(Path(sys.executable).with_name("ray"))
+RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")  # where `ray start` records its cluster for ray.init()
+
+
+@contextlib.contextmanager
+def ray_head(log: Path, num_cpus: int) -> Iterator[str]:
+    """A Ray cluster as a user starts one (`ray start --head --block`, no auth), its address;
+    killed on exit, and /tmp/ray/ray_current_cluster (which `ray start` overwrites) put back."""
+    import re
+
+    before = RAY_ADDRESS_FILE.read_text() if RAY_ADDRESS_FILE.exists() else None
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([RAY, "start", "--head", "--port=0", f"--num-cpus={num_cpus}",
+                                 "--include-dashboard=false", "--disable-usage-stats", "--block"], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline, address = time.monotonic() + 120, None
+        while address is None:
+            m = re.search(r"ray start --address='([^']+)'", log.read_text(errors="replace"))
+            address = m.group(1) if m else None
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        yield address
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(10)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        if before is None:
+            RAY_ADDRESS_FILE.unlink(missing_ok=True)
+        else:
+            RAY_ADDRESS_FILE.write_text(before)
+
+
+def short_quickstart(root: Path) -> list[str]:
+    """Overrides that make recipes/quickstart.yaml a 4-step run, on a model and task built in
+    `root` (build them once per module: two runs at once must not both generate them)."""
+    from streamrl.connectors.model_kit import init_model_dir
+
+    from streamrl.plugins.tasks import write_task
+
+    init_model_dir(root / "model", "tiny", 0)
+    data = write_task(root / "data", seed=0, n_train=300, n_eval=8, n_sft=200)
+    return [f"model.path={root / 'model'}", f"data.path={data['train']}", f"data.eval_path={data['eval']}",
+            f"sft.path={data['sft']}", "sft.steps=10", "sft.batch_size=16", "run.steps=4", "run.checkpoint_every=2",
+            "run.eval_every=0", "data.eval_size=4", "data.eval_samples=1", "rollout.groups_per_step=4",
+            "engines.num=1"]

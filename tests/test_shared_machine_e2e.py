@@ -7,22 +7,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-
-from streamkit import assert_ledger_balanced, child_env, finish_streamrl, pool_stats, run_streamrl, start_streamrl
+from streamkit import (
+    assert_ledger_balanced,
+    child_env,
+    finish_streamrl,
+    pool_stats,
+    ray_head,
+    run_streamrl,
+    short_quickstart,
+    start_streamrl,
+)
 
 pytestmark = pytest.mark.slow
 
-RAY = str(Path(sys.executable).with_name("ray"))
-ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")  # where `ray start` records its cluster for ray.init()
 THEIRS = textwrap.dedent("""
     import json, sys, ray
     ray.init(address=sys.argv[1], namespace="theirs", logging_level="ERROR")
@@ -51,51 +54,15 @@ def _theirs(address: str, what: str) -> dict:
 
 @pytest.fixture(scope="module")
 def other_cluster(tmp_path_factory: pytest.TempPathFactory):
-    """Somebody else's Ray cluster: `ray start --head --block` as a user would start it (it
-    records itself in /tmp/ray/ray_current_cluster), with a detached actor of theirs."""
-    log = tmp_path_factory.mktemp("other-ray") / "ray-start.log"
-    before = ADDRESS_FILE.read_text() if ADDRESS_FILE.exists() else None
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([RAY, "start", "--head", "--port=0", "--num-cpus=1", "--include-dashboard=false",
-                                 "--disable-usage-stats", "--block"], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    try:
-        deadline, address = time.monotonic() + 120, None
-        while address is None:
-            m = re.search(r"ray start --address='([^']+)'", log.read_text(errors="replace"))
-            address = m.group(1) if m else None
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-            time.sleep(0.5)
+    """Somebody else's Ray cluster as a user would start it, with a detached actor of theirs."""
+    with ray_head(tmp_path_factory.mktemp("other-ray") / "ray-start.log", num_cpus=1) as address:
         assert _theirs(address, "start") == {"ping": "pong"}
         yield address
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(10)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        if before is None:
-            ADDRESS_FILE.unlink(missing_ok=True)
-        else:
-            ADDRESS_FILE.write_text(before)
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """Overrides that make recipes/quickstart.yaml short, on a model and task built here once
-    (two runs at once must not both generate them)."""
-    from streamrl.connectors.model_kit import init_model_dir
-    from streamrl.plugins.tasks import write_task
-
-    root = tmp_path_factory.mktemp("qs-inputs")
-    init_model_dir(root / "model", "tiny", 0)
-    data = write_task(root / "data", seed=0, n_train=300, n_eval=8, n_sft=200)
-    return [f"model.path={root / 'model'}", f"data.path={data['train']}", f"data.eval_path={data['eval']}",
-            f"sft.path={data['sft']}", "sft.steps=10", "sft.batch_size=16", "run.steps=4", "run.checkpoint_every=2",
-            "run.eval_every=0", "data.eval_size=4", "data.eval_samples=1", "rollout.groups_per_step=4",
-            "engines.num=1"]
+    return short_quickstart(tmp_path_factory.mktemp("qs-inputs"))
 
 
 def test_runs_use_their_own_ray_and_never_disturb_another_cluster(other_cluster: str, inputs: list[str],

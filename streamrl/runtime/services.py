@@ -64,6 +64,7 @@ class Services:
         from streamrl.runtime.broadcast import VersionBroadcaster
         from streamrl.runtime.learner_group import LearnerGroup
         from streamrl.runtime.rollout import worker_actor
+        from streamrl.runtime.user_code import runtime_env
 
         r = self.r
         prepare_inputs(r, self.log)
@@ -73,8 +74,11 @@ class Services:
         env_vars = {"PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "OMP_NUM_THREADS": "1",
                     **({faultpoint.ENV: os.environ[faultpoint.ENV]} if os.environ.get(faultpoint.ENV) else {})}
+        env = runtime_env(r, env_vars)
+        if env.get("py_modules"):
+            self.log.info(f"shipping your modules to every Ray worker: {', '.join(env['py_modules'])}")
         try:  # no ray.address: a Ray instance of this run's own, never one found on the machine
-            ensure_ray(num_cpus=r.ray.num_cpus or need, address=r.ray.address, runtime_env={"env_vars": env_vars})
+            ensure_ray(num_cpus=r.ray.num_cpus or need, address=r.ray.address, runtime_env=env)
         except RayUnavailable as e:
             hint = " (check ray.address, or leave it out to start a local instance)" if r.ray.address else ""
             raise RunFailed(f"{e}{hint}") from None
