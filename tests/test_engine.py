@@ -34,6 +34,7 @@ from streamrl.core.types import VersionSpan
 from enginekit import (
     CACHE_DIR,
     EngineProc,
+    check_generate_response,
     get_json,
     hf_greedy,
     listening_sockets,
@@ -993,20 +994,6 @@ def test_client_sends_flush_cache_false(sgl):
     assert "flush_cache" in fields["UpdateWeightsFromDistributedReqInput"] & fields["UpdateWeightFromDiskReqInput"]
 
 
-def _check_generate_response(sgl, raw: dict, finish_cls: type) -> None:
-    r = sgl.GenerateResponse.from_json_value(raw)
-    m = r.meta_info
-    assert m is not None and m.id == raw["meta_info"]["id"]
-    # the decoder falls back to a plain dict when a finish reason breaks its arm's contract
-    assert isinstance(m.finish_reason, finish_cls), m.finish_reason
-    assert isinstance(m.weight_version, str)
-    assert r.output_ids == raw["output_ids"] and m.completion_tokens == len(r.output_ids)
-    assert sum(s.end - s.start for s in m.weight_versions) == len(r.output_ids)
-    if m.output_token_logprobs is not None:
-        assert [e.token_id for e in m.output_token_logprobs] == r.output_ids
-        assert all(isinstance(e.logprob, float) for e in m.output_token_logprobs)
-
-
 def test_engine_responses_match_sglang_schema(engine, sgl, ref0):
     greedy = hf_greedy(ref0, prompt(4), 10)
 
@@ -1041,19 +1028,19 @@ def test_engine_responses_match_sglang_schema(engine, sgl, ref0):
 
     out = asyncio.run(main())
     assert all(st == 200 for k, (st, _) in out.items() if k != "error"), {k: v[0] for k, v in out.items()}
-    _check_generate_response(sgl, out["length"][1], sgl.FinishLength)
+    check_generate_response(sgl, out["length"][1], sgl.FinishLength)
     assert all(isinstance(e.text, str) for e in sgl.GenerateResponse.from_json_value(
         out["length"][1]).meta_info.output_token_logprobs)  # return_text_in_logprobs
-    _check_generate_response(sgl, out["stop"][1], sgl.FinishStop)
+    check_generate_response(sgl, out["stop"][1], sgl.FinishStop)
     assert sgl.GenerateResponse.from_json_value(out["stop"][1]).meta_info.finish_reason.matched == greedy[3]
     assert isinstance(out["batch"][1], list) and len(out["batch"][1]) == 2
     for raw in out["batch"][1]:
-        _check_generate_response(sgl, raw, sgl.FinishLength)
-    _check_generate_response(sgl, out["text"][1], sgl.FinishLength)
+        check_generate_response(sgl, raw, sgl.FinishLength)
+    check_generate_response(sgl, out["text"][1], sgl.FinishLength)
     assert out["text"][1]["meta_info"]["prompt_tokens"] > 0
-    _check_generate_response(sgl, out["abort"][1], sgl.FinishAbort)
+    check_generate_response(sgl, out["abort"][1], sgl.FinishAbort)
     assert sgl.AbortResponse.from_json_value(out["abort_resp"][1]).success is True
-    _check_generate_response(sgl, out["span"][1], sgl.FinishLength)
+    check_generate_response(sgl, out["span"][1], sgl.FinishLength)
     spans = sgl.GenerateResponse.from_json_value(out["span"][1]).meta_info.weight_versions
     assert [s.version for s in spans] == ["0", "3"]
 
