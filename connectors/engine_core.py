@@ -23,6 +23,8 @@ Log-probs follow SGLang: log_softmax(logits / temperature) of the sampled token 
 logits when temperature is 0, i.e. greedy); top-p/top-k shape sampling, not the log-prob.
 Prompt log-probs (`input_logprob_start`) are log_softmax of the raw logits, as SGLang's
 InputLogprobProcessor: the entry of the first requested token is None, as in SGLang.
+
+Long file: the scheduler, its batch cache and the sampling rules are one state machine on one thread.
 """
 
 from __future__ import annotations

@@ -54,6 +54,11 @@ def make_model_dir(out: str | Path, seed: int, sharpen: float = SHARPEN) -> Path
     return out
 
 
+def prompt(i: int, n: int = 8) -> list[int]:
+    """Deterministic, distinct prompts of ordinary (non-special) tokens."""
+    return [3 + (i * 37 + j * 11) % 500 for j in range(n)]
+
+
 def load_model(model_dir: str | Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM

@@ -41,6 +41,7 @@ from enginekit import (
     load_model,
     non_loopback_address,
     post_json,
+    prompt,
     reference_logprobs,
     sglang_api_types,
 )
@@ -53,11 +54,6 @@ DELAYS = (0.12, 0.05, 0.02)
 # comparing the engine's greedy tokens with transformers' cannot flip on fp32 rounding.
 ABORT_PROMPT = 38  # 200 tokens
 FLIGHT_PROMPTS = (232, 234, 237, 220)  # 240 tokens
-
-
-def prompt(i: int, n: int = 8) -> list[int]:
-    """Deterministic, distinct prompts of ordinary (non-special) tokens."""
-    return [3 + (i * 37 + j * 11) % 500 for j in range(n)]
 
 
 @pytest.fixture(scope="module")

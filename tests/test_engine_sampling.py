@@ -13,13 +13,17 @@ import threading
 import aiohttp
 import pytest
 
-from enginekit import check_generate_response, hf_greedy, load_model, post_json, reference_logprobs, sglang_api_types
+from enginekit import (
+    check_generate_response,
+    hf_greedy,
+    load_model,
+    post_json,
+    prompt,
+    reference_logprobs,
+    sglang_api_types,
+)
 
 TOL = 1e-4  # max |engine log-prob - transformers log-prob|, fp32
-
-
-def prompt(i: int, n: int = 8) -> list[int]:
-    return [3 + (i * 37 + j * 11) % 500 for j in range(n)]
 
 
 @pytest.fixture(scope="module")
