@@ -134,6 +134,30 @@ def test_batch_cache_survives_requests_leaving_and_joining(model_dirs, ref0):
     assert 1 < core.rebatches < core.steps
 
 
+def test_decode_writes_the_batch_cache_in_place(model_dirs, ref0):
+    """A decode step writes its token's keys/values into the batch cache's buffers instead of
+    copying the cache (transformers' DynamicCache concatenates): while the batch is unchanged the
+    buffers stay the same storage until they fill up, and then grow by half, not by one token."""
+    from streamrl.connectors.engine_core import EngineCore, GenRequest
+
+    core = EngineCore(model_dirs[0], max_running=4)
+    reqs = [GenRequest(rid=str(i), input_ids=prompt(i, 40), max_new_tokens=60, ignore_eos=True, temperature=0.0)
+            for i in range(4)]
+    core.submit_many(reqs)
+    core._admit()
+    storages, sizes = [], []
+    for _ in range(45):
+        core._decode()
+        layer = core._cache[0]
+        storages.append(layer.keys.untyped_storage().data_ptr())
+        sizes.append(layer.keys.untyped_storage().nbytes())
+    assert core.rebatches == 1 and core.steps == 45
+    assert len(set(storages)) == 2  # room for 40 + 20 positions, then one growth by half
+    assert sizes[-1] > sizes[0] * 1.4
+    for r in reqs:
+        assert r.output_ids == hf_greedy(ref0, r.input_ids, len(r.output_ids))
+
+
 def test_sampling_seed_reproducible(engine):
     async def main():
         async with SGLangClient(engine.url) as c:
