@@ -130,6 +130,17 @@ def test_generate_n_answers_a_list_of_n(engine, sgl, ref0):
     assert len(greedy) == 3 and len({tuple(r["output_ids"]) for r in greedy}) == 1
 
 
+def test_n_stop_and_prompt_logprobs_pass_through_sglang_router(router_proc, engine):
+    """The real sglang-router forwards the new request fields and the list answer unchanged."""
+    body = {"input_ids": prompt(9), "return_logprob": True, "logprob_start_len": 2,
+            "sampling_params": {"n": 3, "max_new_tokens": 4, "stop": ["never-here"], "ignore_eos": True}}
+    [(st, out)] = _generate(router_proc.url, body)
+    assert st == 200 and isinstance(out, list) and len(out) == 3, out
+    for raw in out:
+        assert raw["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        assert [t for _, t, _ in raw["meta_info"]["input_token_logprobs"]] == prompt(9)[2:]
+
+
 def test_bad_n_is_a_400(engine):
     [(st, body)] = _generate(engine.url, {"input_ids": prompt(1), "sampling_params": {"n": 0}})
     assert st == 400 and "n must be >= 1" in body["error"]["message"]
