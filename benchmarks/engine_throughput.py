@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Embedded-engine throughput: output tokens/s at concurrency 1, 8 and 64, straight to one
-engine and through the real sglang-router in front of it.
+engine and through the real sglang-router in front of it; and a group of --group-n samples
+of one prompt sent as one `n` request against the same samples as separate requests.
 
 Builds a model (model_kit preset) in a temporary directory under runs/, starts the engine
 (streamrl.connectors.engine_server.serve) and sglang-router as subprocesses on 127.0.0.1, warms both
@@ -28,8 +29,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
+import msgspec  # noqa: E402
+
+from streamrl.connectors import sglang_api as api  # noqa: E402
 from streamrl.connectors.router import Router  # noqa: E402
-from streamrl.connectors.sglang_client import SGLangClient  # noqa: E402
+from streamrl.connectors.sglang_client import EngineError, GenerateResult, SGLangClient  # noqa: E402
 
 from benchmarks._procs import start_engine, stop  # noqa: E402
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
@@ -56,6 +60,13 @@ figures:
                          batching buys (1.0 would mean one request at a time)
   router_overhead        direct tokens_per_s / router tokens_per_s per C (1.0 = the router is
                          free; 1.1 = it costs 10%); router_overhead_by_round: each round's ratio
+  group                  --group-n samples of one --group-prompt-tokens prompt, --group-clients
+                         clients in a closed loop, straight to the engine:
+    n_request            each client sends one /generate with sampling_params.n = N
+    separate             each client sends the N samples as N concurrent requests (what
+                         rollouts do today); the engine shares their prefill too when they
+                         are admitted in one turn (identical sequences share a row)
+    speedup              n_request tokens_per_s / separate tokens_per_s
   config                 engine_threads: torch threads of the engine (serve()'s default 1); more
                          than one can collapse on a busy box (threads spin waiting for each other)
   model                  preset, parameters (unique: the tied lm_head counted once), layers, hidden
@@ -129,6 +140,63 @@ class Load:
         return {"seconds": time.perf_counter() - t0, "tokens": len(lat) * max_new, "latencies": lat}
 
 
+_results = msgspec.json.Decoder(list[GenerateResult])
+
+
+async def group_run(client: SGLangClient, clients: int, seconds: float, ids: list[int], n: int, max_new: int,
+                    as_n: bool) -> dict[str, Any]:
+    """Closed loop of `clients`, each getting `n` samples of `ids` per round trip: one request
+    with sampling_params.n (as_n) or n concurrent requests."""
+    sp = {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 1.0}
+    lat: list[float] = []
+    t0 = time.perf_counter()
+
+    async def one_group() -> None:
+        if as_n:
+            req = api.GenerateReqInput(input_ids=ids, sampling_params=api.SamplingParams(**sp, n=n), return_logprob=True)
+            outs = _results.decode(await client.request("POST", "/generate", req))
+        else:
+            outs = await asyncio.gather(*(client.generate(ids, sp, return_logprob=True) for _ in range(n)))
+        if len(outs) != n or any(len(o.output_ids) != max_new for o in outs):
+            raise RuntimeError(f"expected {n} samples of {max_new} tokens, got {[len(o.output_ids) for o in outs]}")
+
+    async def client_loop() -> None:
+        while True:
+            t = time.perf_counter()
+            await one_group()
+            lat.append(time.perf_counter() - t)
+            if time.perf_counter() - t0 >= seconds:
+                return
+
+    await asyncio.gather(*(client_loop() for _ in range(clients)))
+    return {"seconds": time.perf_counter() - t0, "tokens": len(lat) * n * max_new, "latencies": lat}
+
+
+async def bench_group(args: argparse.Namespace, load: Load, client: SGLangClient) -> dict[str, Any]:
+    """The group row: N samples as one n request against N separate requests, alternating."""
+    ids = (load.prompt() * args.group_prompt_tokens)[: args.group_prompt_tokens]
+    runs: dict[str, list[dict[str, Any]]] = {"n_request": [], "separate": []}
+    refused = None
+    try:  # an engine without n > 1 (the embedded one before issue 23) refuses it: measure the rest
+        await group_run(client, 1, 0, ids, args.group_n, 1, True)
+    except EngineError as e:
+        refused = str(e)
+        del runs["n_request"]
+    for k in range(args.rounds):
+        for name in runs:
+            r = await group_run(client, args.group_clients, args.seconds, ids, args.group_n, args.max_new_tokens,
+                                name == "n_request")
+            runs[name].append(r)
+            log(f"round {k + 1}/{args.rounds} group {name:9} {len(r['latencies']):4} groups "
+                f"{r['tokens'] / r['seconds']:8.1f} tok/s")
+    out: dict[str, Any] = {name: summary(rs) for name, rs in runs.items()}
+    if refused:
+        out["n_request"] = {"refused": refused}
+    else:
+        out["speedup"] = round(out["n_request"]["tokens_per_s"] / out["separate"]["tokens_per_s"], 2)
+    return out
+
+
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rates = [r["tokens"] / r["seconds"] for r in runs]
     lat = [x for r in runs for x in r["latencies"]]
@@ -163,6 +231,7 @@ async def bench(args: argparse.Namespace, model_dir: Path, procs: list[Any]) -> 
                     runs[name][c].append(r)
                     log(f"round {k + 1}/{args.rounds} {name:6} c={c:<3} {len(r['latencies']):4} requests "
                         f"{r['tokens'] / r['seconds']:8.1f} tok/s")
+        group = await bench_group(args, load, direct) if args.group_n > 1 else None
     finally:
         await direct.close()
         await router.close()  # its client session, then the router process
@@ -171,6 +240,8 @@ async def bench(args: argparse.Namespace, model_dir: Path, procs: list[Any]) -> 
     rate = {p: {c: out[p][f"c{c}"]["tokens_per_s"] for c in CONCURRENCY} for p in paths}
     out["speedup_over_c1"] = {p: {f"c{c}": round(rate[p][c] / rate[p][1], 2) for c in CONCURRENCY[1:]}
                               for p in paths}
+    if group is not None:
+        out["group"] = group
     out["router_overhead"] = {f"c{c}": round(rate["direct"][c] / rate["router"][c], 3) for c in CONCURRENCY}
     out["router_overhead_by_round"] = {
         f"c{c}": [round((d["tokens"] / d["seconds"]) / (r["tokens"] / r["seconds"]), 3)
@@ -187,6 +258,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=64, help="output tokens per request (default 64)")
     ap.add_argument("--engine-threads", type=int, default=1,
                     help="torch threads of the engine (serve()'s default 1; torch's own default is one per core)")
+    ap.add_argument("--group-n", type=int, default=8,
+                    help="samples per group for the group row (default 8; 1 skips it)")
+    ap.add_argument("--group-prompt-tokens", type=int, default=160,
+                    help="prompt length of the group row (default 160: prefill matters, as with RL prompts; "
+                         "with --max-new-tokens it must fit the model's context: 256 tiny, 512 small)")
+    ap.add_argument("--group-clients", type=int, default=4,
+                    help="groups in flight in the group row (default 4: 32 samples at --group-n 8)")
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = ap.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 5)
@@ -221,7 +299,8 @@ def main() -> None:
                   "hidden_size": cfg["hidden_size"]},
         "config": {"max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "seconds": args.seconds,
                    "engine_max_running": ENGINE_MAX_RUNNING, "router_policy": "round_robin",
-                   "engine_threads": args.engine_threads},
+                   "engine_threads": args.engine_threads, "group_n": args.group_n,
+                   "group_prompt_tokens": args.group_prompt_tokens, "group_clients": args.group_clients},
         "git": git_rev(),
         "machine": machine(load0, ("torch", "transformers", "aiohttp", "sglang-router")),
         "wall_s": round(time.perf_counter() - wall0, 1),

@@ -1,15 +1,30 @@
 """The embedded engine's scheduler: continuous batching over a transformers causal LM.
 
 Requests join and leave between decode steps. The running requests' KV caches live in one
-left-padded batch cache (per layer, [batch, kv_heads, length, head_dim]) that a decode step
-extends in place of re-building it: when requests leave, their rows are dropped with one
-index_select per layer; only a request that joins (after its prefill, with a cache of its own)
-is padded in. Re-padding every request's cache on every step cost as much as the model itself
-on long responses (benchmarks/engine_throughput.py). No HTTP, no asyncio: the server
-(connectors/engine_server.py) drives it from a thread.
+left-padded batch cache (per layer, [batch, kv_heads, capacity, head_dim], `_GrowingLayer`)
+that a decode step writes into in place: no per-step copy of the cache (transformers'
+DynamicCache concatenates, i.e. copies the whole cache, on every step, and once more when
+built from tensors). The capacity grows by half when full (amortised O(1) per token). When
+requests leave, their rows are dropped with one index_select per layer; only a request that
+joins (after its prefill, with a cache of its own) is padded in. No HTTP, no asyncio: the
+server (connectors/engine_server.py) drives it from a thread.
+
+Prefill shares identical sequences: requests admitted together whose prompt (+ kept output)
+is the same token list are run as one row and share its KV (views of one tensor; the batch
+cache copies them in when they join). SGLang's `n > 1` (a group of n samples of one prompt,
+submitted together with `submit_many`) costs one prefill, as SGLang's radix cache makes it.
+
+Stop strings follow SGLang (Req._check_str_based_finish): after each token the last
+(longest stop string in tokens + 1) output tokens are decoded and the request stops on the
+first listed string found there, before the stop-token and length checks, whatever
+ignore_eos and min_new_tokens say.
 
 Log-probs follow SGLang: log_softmax(logits / temperature) of the sampled token (the raw
 logits when temperature is 0, i.e. greedy); top-p/top-k shape sampling, not the log-prob.
+Prompt log-probs (`input_logprob_start`) are log_softmax of the raw logits, as SGLang's
+InputLogprobProcessor: the entry of the first requested token is None, as in SGLang.
+
+Long file: the scheduler, its batch cache and the sampling rules are one state machine on one thread.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 IN_BATCH: KV = []  # GenRequest.kv of a request whose cache is a row of the engine's batch cache
@@ -37,6 +53,10 @@ class GenRequest:
     top_k: int = -1
     min_new_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    stop_strs: tuple[str, ...] = ()
+    stop_window: int = 0  # output tokens decoded to look for stop strings (module doc)
+    input_logprob_start: int | None = None  # prompt log-probs from this position; None: none
+    input_logprobs: list[float | None] | None = None  # one per input_ids[input_logprob_start:]
     ignore_eos: bool = False
     sampling_seed: int | None = None
     on_done: Callable[[GenRequest], None] | None = None
@@ -63,7 +83,8 @@ class EngineCore:
     """Thread-safe: public methods may be called from any thread; `run()` owns the model."""
 
     def __init__(self, model_dir: str | Path, max_running: int = 64, max_context: int | None = None,
-                 weight_version: str = "0", seed: int = 0) -> None:
+                 weight_version: str = "0", seed: int = 0,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model_dir = str(model_dir)
@@ -76,6 +97,7 @@ class EngineCore:
         self.prefill_batch = 32  # requests prefilled together per loop turn
         self.weight_version = weight_version
         self.seed = seed
+        self.decode = decode  # token ids -> text, for stop strings
         self._waiting: deque[GenRequest] = deque()
         self._running: list[GenRequest] = []
         self._joining: list[GenRequest] = []  # taken from the queue, being prefilled
@@ -84,19 +106,28 @@ class EngineCore:
         self._stop = False
         self._control: deque[tuple[Callable[[], Any], Any]] = deque()
         self._batch: list[GenRequest] = []  # the rows of _cache, in order
-        self._cache: KV = []  # per layer (keys, values) of _batch, left-padded to the longest
+        self._cache: list[_GrowingLayer] = []  # per layer, _batch's rows left-padded to the longest
         self._lens: list[int] = []  # each row's cached length
         self.steps = 0  # decode steps run, for metrics and tests
         self.rebatches = 0  # decode steps whose batch changed (rows dropped or joined)
         self.max_batch_seen = 0
+        self.prefill_tokens = 0  # token positions run through prefill (shared rows once)
 
     # ------------------------------------------------------------ public (any thread)
 
     def submit(self, req: GenRequest) -> None:
-        if req.sampling_seed is not None:
-            req.generator = torch.Generator().manual_seed(req.sampling_seed)
+        self.submit_many([req])
+
+    def submit_many(self, reqs: list[GenRequest]) -> None:
+        """Queue `reqs` next to each other, so that those with one prompt are admitted (and
+        prefilled) together as far as free slots allow."""
+        for req in reqs:
+            if req.stop_strs and self.decode is None:
+                raise ValueError("stop strings need the engine's decode function")
+            if req.sampling_seed is not None:
+                req.generator = torch.Generator().manual_seed(req.sampling_seed)
         with self._cond:
-            self._waiting.append(req)
+            self._waiting.extend(reqs)
             self._cond.notify_all()
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -218,8 +249,13 @@ class EngineCore:
         """Prefill up to `prefill_batch` waiting requests in one forward. The rest wait for the
         next loop turn, so pause/abort/weight updates are never held up behind a long queue."""
         with self._cond:
-            room = min(self.prefill_batch, self.max_running - len(self._running) - len(self._joining))
+            room = self.max_running - len(self._running) - len(self._joining)
+            rows: set[tuple[int, ...]] = set()  # prefill_batch bounds distinct sequences, not requests
             while self._waiting and room > 0:
+                key = _seq_key(self._waiting[0])
+                if key not in rows and len(rows) == self.prefill_batch:
+                    break
+                rows.add(key)
                 self._joining.append(self._waiting.popleft())
                 room -= 1
         if not self._joining:
@@ -234,24 +270,36 @@ class EngineCore:
     @torch.inference_mode()
     def _prefill(self, reqs: list[GenRequest]) -> None:
         """Run prompts (+ any output kept from before a retract or resume), left-padded into one
-        batch, and sample one token each; each request keeps its slice of the KV cache."""
-        seqs = [r.input_ids + r.output_ids for r in reqs]
+        batch, one row per distinct sequence, and sample one token each; each request keeps its
+        row's slice of the KV cache (requests with one sequence share it)."""
+        rows: dict[tuple[int, ...], int] = {}
+        row_of = [rows.setdefault(_seq_key(r), len(rows)) for r in reqs]
+        seqs = list(rows)
         lens = [len(x) for x in seqs]
         lmax = max(lens)
-        ids = torch.zeros(len(reqs), lmax, dtype=torch.long)
-        mask = torch.zeros(len(reqs), lmax, dtype=torch.long)
+        ids = torch.zeros(len(seqs), lmax, dtype=torch.long)
+        mask = torch.zeros(len(seqs), lmax, dtype=torch.long)
         for i, (x, n) in enumerate(zip(seqs, lens)):
             ids[i, lmax - n:] = torch.tensor(x)
             mask[i, lmax - n:] = 1
-        if len(reqs) == 1:  # no padding: the plain call
-            out = self.model(input_ids=ids, use_cache=True)
+        want_input = [r.input_logprob_start is not None and r.input_logprobs is None for r in reqs]
+        # logits for the last position only unless prompt log-probs are wanted: lm_head over
+        # every position costs as much as the rest of a small model's prefill
+        keep = 0 if any(want_input) else 1
+        if len(seqs) == 1:  # no padding: the plain call
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep)
         else:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                             use_cache=True)
+                             use_cache=True, logits_to_keep=keep)
+        self.prefill_tokens += sum(lens)
         layers = out.past_key_values.layers
-        for i, (r, n) in enumerate(zip(reqs, lens)):
-            r.kv = [(layer.keys[i: i + 1, :, lmax - n:], layer.values[i: i + 1, :, lmax - n:]) for layer in layers]
-        self._sample_and_record(reqs, out.logits[:, -1, :])
+        kvs = [[(layer.keys[i: i + 1, :, lmax - n:], layer.values[i: i + 1, :, lmax - n:]) for layer in layers]
+               for i, n in enumerate(lens)]
+        for r, i, want in zip(reqs, row_of, want_input):
+            r.kv = kvs[i]
+            if want:
+                r.input_logprobs = _input_logprobs(out.logits[i, lmax - lens[i]:], r)
+        self._sample_and_record(reqs, out.logits[:, -1, :][torch.tensor(row_of)])
         self._running.extend(r for r in reqs if r.finish is None)
 
     def _rebatch(self) -> None:
@@ -263,13 +311,13 @@ class EngineCore:
         kept_lens = [self._lens[row[id(r)]] for r in kept]
         lens = kept_lens + [r.kv[0][0].shape[2] for r in joined]  # type: ignore[index]
         lmax = max(lens)
-        cache: KV = []
         n_layers = len(self._cache) if kept else len(joined[0].kv)  # type: ignore[arg-type]
+        cache: list[_GrowingLayer] = []
         for li in range(n_layers):
             ks, vs = [], []
             if kept:
                 idx = torch.tensor([row[id(r)] for r in kept])
-                k, v = self._cache[li]
+                k, v = self._cache[li].keys, self._cache[li].values
                 cut = k.shape[2] - max(kept_lens)  # columns no kept row uses
                 ks.append(_left_pad(k.index_select(0, idx)[:, :, cut:], lmax))
                 vs.append(_left_pad(v.index_select(0, idx)[:, :, cut:], lmax))
@@ -277,7 +325,7 @@ class EngineCore:
                 k, v = r.kv[li]  # type: ignore[index]
                 ks.append(_left_pad(k, lmax))
                 vs.append(_left_pad(v, lmax))
-            cache.append((torch.cat(ks) if len(ks) > 1 else ks[0], torch.cat(vs) if len(vs) > 1 else vs[0]))
+            cache.append(_GrowingLayer(torch.cat(ks) if len(ks) > 1 else ks[0], torch.cat(vs) if len(vs) > 1 else vs[0]))
         for r in joined:
             r.kv = IN_BATCH
         self._running = kept + joined
@@ -286,13 +334,13 @@ class EngineCore:
 
     @torch.inference_mode()
     def _decode(self) -> None:
-        from transformers import DynamicCache
+        from transformers import Cache
 
         if len(self._running) != len(self._batch) or any(a is not b for a, b in zip(self._running, self._batch)) \
                 or any(r.kv is not IN_BATCH for r in self._running):
             self._rebatch()
         batch, lens = self._batch, self._lens
-        lmax = self._cache[0][0].shape[2]
+        lmax = self._cache[0].n
         mask = torch.zeros(len(batch), lmax + 1, dtype=torch.long)
         for i, n in enumerate(lens):
             mask[i, lmax - n:] = 1
@@ -300,10 +348,9 @@ class EngineCore:
             input_ids=torch.tensor([[r.output_ids[-1]] for r in batch]),
             attention_mask=mask,
             position_ids=torch.tensor([[n] for n in lens]),
-            past_key_values=DynamicCache(self._cache),
+            past_key_values=Cache(layers=self._cache),  # written in place (_GrowingLayer)
             use_cache=True,
         )
-        self._cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         self._lens = [n + 1 for n in lens]
         self.steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
@@ -322,10 +369,20 @@ class EngineCore:
             r.record(tok, lp, self.weight_version)
             n = len(r.output_ids)
             total = len(r.input_ids) + n
-            if not r.ignore_eos and n >= r.min_new_tokens and (tok in self.eos_ids or tok in r.stop_token_ids):
+            hit = self._stop_str(r)
+            if hit is not None:
+                self._finish(r, {"type": "stop", "matched": hit})
+            elif not r.ignore_eos and n >= r.min_new_tokens and (tok in self.eos_ids or tok in r.stop_token_ids):
                 self._finish(r, {"type": "stop", "matched": tok})
             elif n >= r.max_new_tokens or total >= self.max_context:
                 self._finish(r, {"type": "length", "length": n})
+
+    def _stop_str(self, r: GenRequest) -> str | None:
+        """The first of `r`'s stop strings in the text of its last output tokens (module doc)."""
+        if not r.stop_strs:
+            return None
+        tail = self.decode(r.output_ids[-r.stop_window:])  # type: ignore[misc]
+        return next((s for s in r.stop_strs if s in tail), None)
 
     def _finish(self, r: GenRequest, reason: dict[str, Any]) -> None:
         if r.finish is not None:
@@ -338,6 +395,64 @@ class EngineCore:
             self._running.remove(r)
         if r.on_done is not None:
             r.on_done(r)
+
+
+class _GrowingLayer(DynamicLayer):
+    """One layer of the batch cache: keys/values in buffers with room to grow, written in
+    place by the model's `update` (DynamicLayer's protocol, without its concatenation);
+    `keys`/`values` are views of the `n` positions in use."""
+
+    is_compileable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.is_initialized = True
+        self.n = keys.shape[2]
+        self._k = self._room(keys, self.n + max(16, self.n // 2))
+        self._v = self._room(values, self._k.shape[2])
+        self.device, self.dtype = keys.device, keys.dtype
+        self._views()
+
+    @staticmethod
+    def _room(t: torch.Tensor, cap: int) -> torch.Tensor:
+        buf = t.new_empty(t.shape[0], t.shape[1], cap, t.shape[3])
+        buf[:, :, : t.shape[2]] = t
+        return buf
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, : self.n], self._v[:, :, : self.n]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        m = keys.shape[2]
+        if self.n + m > self._k.shape[2]:  # grow by half: amortised O(1) copies per token
+            cap = self.n + m + max(16, self.n // 2)
+            self._k, self._v = self._room(self.keys, cap), self._room(self.values, cap)
+        self._k[:, :, self.n: self.n + m] = keys
+        self._v[:, :, self.n: self.n + m] = values
+        self.n += m
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+
+def _seq_key(r: GenRequest) -> tuple[int, ...]:
+    """What a request's prefill runs: its prompt and any output kept from before a retract."""
+    return tuple(r.input_ids + r.output_ids)
+
+
+def _input_logprobs(logits: torch.Tensor, r: GenRequest) -> list[float | None]:
+    """SGLang's input_token_logprobs values for `r` from its prefill row's logits (the row's
+    positions, padding cut off): log_softmax(raw logits) of each prompt token from
+    `input_logprob_start` on, None for the first of them."""
+    start, n = r.input_logprob_start, len(r.input_ids)
+    assert start is not None
+    if start >= n:
+        return []
+    rows = logits[start: n - 1].float()  # position p predicts token p + 1
+    toks = torch.tensor(r.input_ids[start + 1: n])
+    return [None, *torch.log_softmax(rows, -1).gather(-1, toks[:, None])[:, 0].tolist()]
 
 
 def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:

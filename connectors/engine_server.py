@@ -40,8 +40,8 @@ SAMPLING_EPS = 1e-6  # SGLang's _SAMPLING_EPS
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")  # SGLang 0.5.23's words
 TENSOR_FORMAT = "safetensors"  # the one load_format /update_weights_from_tensor takes (no pickle)
-_SP_UNSUPPORTED = {"stop": None, "n": 1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                   "repetition_penalty": 1.0}
+_SP_UNSUPPORTED = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+MAX_STOP_COUNT = 32  # SGLang's limit on stop strings per request (sampling_params.py)
 
 
 def _check_sampling(sp: api.SamplingParams) -> None:
@@ -57,8 +57,28 @@ def _check_sampling(sp: api.SamplingParams) -> None:
         problems.append(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
     if sp.min_new_tokens < 0 or (sp.max_new_tokens is not None and sp.min_new_tokens > sp.max_new_tokens):
         problems.append(f"min_new_tokens must be in [0, max_new_tokens], got {sp.min_new_tokens}")
+    if sp.n < 1:
+        problems.append(f"n must be >= 1, got {sp.n}")
+    stops = _stop_strs(sp)
+    if len(stops) > MAX_STOP_COUNT:
+        problems.append(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stops)}")
+    if "" in stops:  # SGLang would stop after the first token ("" is in every text)
+        problems.append("stop strings must not be empty")
     if problems:
         raise HTTPError(400, "sampling_params: " + "; ".join(problems))
+
+
+def _stop_strs(sp: api.SamplingParams) -> list[str]:
+    return [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or ())
+
+
+def _trim_stop(text: str, finish: dict[str, Any] | None, no_stop_trim: bool) -> str:
+    """SGLang's trim of a matched stop string (DetokenizerManager.trim_matched_stop): the text
+    up to its first occurrence, or through it with no_stop_trim."""
+    matched = (finish or {}).get("matched")
+    if not isinstance(matched, str) or (pos := text.find(matched)) == -1:
+        return text
+    return text[: pos + len(matched)] if no_stop_trim else text[:pos]
 
 
 class HTTPError(Exception):
@@ -94,8 +114,9 @@ class EngineServer:
 
         self.keys = keys or Keys()
         self.weights_root = os.path.realpath(weights_root) if weights_root else None
-        self.core = EngineCore(model_dir, max_running=max_running, weight_version=weight_version, seed=seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.core = EngineCore(model_dir, max_running=max_running, weight_version=weight_version, seed=seed,
+                               decode=self.tokenizer.decode)
         self.model_path = model_dir
         self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
         self._groups: list[Any] = []  # weight-update groups, one per TP rank (rank_offset + tp_rank)
@@ -163,32 +184,47 @@ class EngineServer:
 
     # ------------------------------------------------------------ generation
 
-    def _make(self, ids: list[int], rid: str, sp: api.SamplingParams) -> GenRequest:
+    def _make(self, ids: list[int], rid: str, sp: api.SamplingParams, logprob_start: int | None = None) -> GenRequest:
+        """`logprob_start`: SGLang's logprob_start_len when return_logprob (-1: no prompt log-probs)."""
         if not ids:
             raise HTTPError(400, "input_ids is empty: send at least one token")
         if not all(type(t) is int and 0 <= t < self.core.vocab_size for t in ids):
             raise HTTPError(400, f"input_ids must be ints in [0, {self.core.vocab_size}) for this model")
-        _check_sampling(sp)
         max_new = sp.max_new_tokens if sp.max_new_tokens is not None else self.core.max_context - len(ids)
         if max_new < 0 or len(ids) + max_new > self.core.max_context:
             raise HTTPError(400, f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the "
                                  f"model's context length {self.core.max_context}")
+        if logprob_start is not None and not -1 <= logprob_start <= len(ids):
+            raise HTTPError(400, f"logprob_start_len={logprob_start} is outside [-1, {len(ids)}] (the number of "
+                                 "input tokens): use a smaller logprob_start_len")
+        stops = _stop_strs(sp)
+        window = max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops), default=0) + 1
         return GenRequest(  # below SGLang's sampling epsilon a temperature means greedy, as in SGLang
             rid=rid, input_ids=list(ids), max_new_tokens=max_new,
             temperature=0.0 if sp.temperature < SAMPLING_EPS else sp.temperature,
             top_p=sp.top_p, top_k=sp.top_k, min_new_tokens=sp.min_new_tokens,
             stop_token_ids=frozenset(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
-            sampling_seed=sp.sampling_seed)
+            sampling_seed=sp.sampling_seed, stop_strs=tuple(stops), stop_window=window,
+            # SGLang's -1 with return_logprob: from len(ids) on, i.e. none
+            input_logprob_start=None if logprob_start is None else len(ids) if logprob_start == -1 else logprob_start)
 
     async def _run(self, req: GenRequest) -> GenRequest:
+        return (await self._run_all([req]))[0]
+
+    async def _run_all(self, reqs: list[GenRequest]) -> list[GenRequest]:
+        """Submit `reqs` together (a group's samples are prefilled together) and wait for all."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[GenRequest] = loop.create_future()
-        req.on_done = lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
-        self.core.submit(req)
+        futs: list[asyncio.Future[GenRequest]] = []
+        for req in reqs:
+            fut: asyncio.Future[GenRequest] = loop.create_future()
+            req.on_done = lambda r, f=fut: loop.call_soon_threadsafe(lambda: f.done() or f.set_result(r))
+            futs.append(fut)
+        self.core.submit_many(reqs)
         try:
-            return await fut
-        except asyncio.CancelledError:  # client went away: free the slot (without blocking the loop)
-            loop.run_in_executor(None, self.core.call, lambda: self.core.abort(req.rid))
+            return list(await asyncio.gather(*futs))
+        except asyncio.CancelledError:  # client went away: free the slots (without blocking the loop)
+            rids = [r.rid for r in reqs]
+            loop.run_in_executor(None, self.core.call, lambda: [self.core.abort(rid) for rid in rids])
             raise
 
     def _response(self, r: GenRequest, t0: float, req: api.GenerateReqInput, sp: api.SamplingParams) -> dict[str, Any]:
@@ -205,15 +241,20 @@ class EngineServer:
             "e2e_latency": time.perf_counter() - t0,
         }
         if req.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, t, self.tokenizer.decode([t]) if with_text else None] for lp, t in zip(r.logprobs, r.output_ids)]
-            meta["input_token_logprobs"] = [[None, t, None] for t in r.input_ids]
+            def entries(lps: list[Any], toks: list[int]) -> list[list[Any]]:
+                return [[lp, t, self.tokenizer.decode([t]) if with_text else None] for lp, t in zip(lps, toks)]
+
+            meta["output_token_logprobs"] = entries(r.logprobs, r.output_ids)
+            start = r.input_logprob_start if r.input_logprob_start is not None else len(r.input_ids)
+            meta["input_token_logprobs"] = entries(r.input_logprobs or [], r.input_ids[start:])
         out_ids = r.output_ids
-        if r.finish and r.finish.get("type") == "stop" and not sp.no_stop_trim:
+        matched = (r.finish or {}).get("matched")
+        if r.finish and r.finish.get("type") == "stop" and isinstance(matched, int) and not sp.no_stop_trim:
             text_ids = out_ids[:-1]  # SGLang trims the matched stop token from the text
         else:
             text_ids = out_ids
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens)
+        text = _trim_stop(self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens), r.finish,
+                          sp.no_stop_trim)
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -223,10 +264,10 @@ class EngineServer:
             if getattr(req, name) != default:
                 raise HTTPError(400, f"{name} is not supported by the embedded engine")
         sp = req.sampling_params or api.SamplingParams()
+        _check_sampling(sp)
         for name, default in _SP_UNSUPPORTED.items():
             if getattr(sp, name) != default:
-                raise HTTPError(400, f"sampling_params.{name} is not supported by the embedded engine"
-                                + (" (use stop_token_ids)" if name == "stop" else ""))
+                raise HTTPError(400, f"sampling_params.{name} is not supported by the embedded engine")
         if req.input_ids is None and req.text is None:
             raise HTTPError(400, "send input_ids or text")
         if req.input_ids is not None:
@@ -243,13 +284,18 @@ class EngineServer:
         if len(rids) not in (0, len(prompts)):
             raise HTTPError(400, f"{len(rids)} rids for {len(prompts)} prompts")
         rids = rids or [uuid.uuid4().hex for _ in prompts]
-        gens = [self._make(ids, rid, sp) for ids, rid in zip(prompts, rids)]
-        done = await asyncio.gather(*(self._run(g) for g in gens))
+        start = req.logprob_start_len if req.return_logprob else None
+        # n > 1 as SGLang (TokenizerManager._handle_batch_request): n samples per prompt, each
+        # with a fresh rid, answered as a list (prompt-major) even for one prompt
+        n = sp.n
+        gens = [self._make(ids, rid if n == 1 else uuid.uuid4().hex, sp, start)
+                for ids, rid in zip(prompts, rids) for _ in range(n)]
+        done = await self._run_all(gens)
         failed = [r.error for r in done if r.error]
         if failed:
             raise HTTPError(400, f"{failed[0]} (this request only; the engine goes on)")
         outs = [self._response(r, t0, req, sp) for r in done]
-        return web.json_response(outs if batch else outs[0])
+        return web.json_response(outs if batch or n > 1 else outs[0])
 
     async def chat(self, request: web.Request) -> web.Response:
         req: api.ChatCompletionReq = await _decode(request, api.ChatCompletionReq)
@@ -262,6 +308,7 @@ class EngineServer:
         sp = api.SamplingParams(max_new_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                                 top_p=req.top_p, top_k=req.top_k, stop_token_ids=req.stop_token_ids,
                                 sampling_seed=req.seed)
+        _check_sampling(sp)
         r = await self._run(self._make(ids, req.rid or uuid.uuid4().hex, sp))
         if r.error:
             raise HTTPError(400, f"{r.error} (this request only; the engine goes on)")

@@ -54,6 +54,11 @@ def make_model_dir(out: str | Path, seed: int, sharpen: float = SHARPEN) -> Path
     return out
 
 
+def prompt(i: int, n: int = 8) -> list[int]:
+    """Deterministic, distinct prompts of ordinary (non-special) tokens."""
+    return [3 + (i * 37 + j * 11) % 500 for j in range(n)]
+
+
 def load_model(model_dir: str | Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
@@ -360,3 +365,22 @@ def sglang_api_types() -> types.ModuleType:
     sys.modules[spec.name] = mod  # msgspec resolves the Structs' string annotations through it
     spec.loader.exec_module(mod)
     return mod
+
+
+def check_generate_response(sgl: types.ModuleType, raw: dict[str, Any], finish_cls: type) -> None:
+    """`raw` (one /generate result) decodes with SGLang's GenerateResponse, its finish reason is a
+    `finish_cls`, and its ids, spans and log-prob entries agree with each other."""
+    r = sgl.GenerateResponse.from_json_value(raw)
+    m = r.meta_info
+    assert m is not None and m.id == raw["meta_info"]["id"]
+    # the decoder falls back to a plain dict when a finish reason breaks its arm's contract
+    assert isinstance(m.finish_reason, finish_cls), m.finish_reason
+    assert isinstance(m.weight_version, str)
+    assert r.output_ids == raw["output_ids"] and m.completion_tokens == len(r.output_ids)
+    assert sum(s.end - s.start for s in m.weight_versions) == len(r.output_ids)
+    if m.output_token_logprobs is not None:
+        assert [e.token_id for e in m.output_token_logprobs] == r.output_ids
+        assert all(isinstance(e.logprob, float) for e in m.output_token_logprobs)
+    if m.input_token_logprobs:  # SGLang: None for the first requested prompt token only
+        assert m.input_token_logprobs[0].logprob is None and len(m.input_token_logprobs) <= m.prompt_tokens
+        assert all(isinstance(e.logprob, float) for e in m.input_token_logprobs[1:])

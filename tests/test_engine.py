@@ -34,12 +34,14 @@ from streamrl.core.types import VersionSpan
 from enginekit import (
     CACHE_DIR,
     EngineProc,
+    check_generate_response,
     get_json,
     hf_greedy,
     listening_sockets,
     load_model,
     non_loopback_address,
     post_json,
+    prompt,
     reference_logprobs,
     sglang_api_types,
 )
@@ -52,11 +54,6 @@ DELAYS = (0.12, 0.05, 0.02)
 # comparing the engine's greedy tokens with transformers' cannot flip on fp32 rounding.
 ABORT_PROMPT = 38  # 200 tokens
 FLIGHT_PROMPTS = (232, 234, 237, 220)  # 240 tokens
-
-
-def prompt(i: int, n: int = 8) -> list[int]:
-    """Deterministic, distinct prompts of ordinary (non-special) tokens."""
-    return [3 + (i * 37 + j * 11) % 500 for j in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +132,30 @@ def test_batch_cache_survives_requests_leaving_and_joining(model_dirs, ref0):
         assert r.output_ids == hf_greedy(ref0, r.input_ids, r.max_new_tokens), i
     assert core.max_batch_seen == 8  # capped: the last requests joined as others left
     assert 1 < core.rebatches < core.steps
+
+
+def test_decode_writes_the_batch_cache_in_place(model_dirs, ref0):
+    """A decode step writes its token's keys/values into the batch cache's buffers instead of
+    copying the cache (transformers' DynamicCache concatenates): while the batch is unchanged the
+    buffers stay the same storage until they fill up, and then grow by half, not by one token."""
+    from streamrl.connectors.engine_core import EngineCore, GenRequest
+
+    core = EngineCore(model_dirs[0], max_running=4)
+    reqs = [GenRequest(rid=str(i), input_ids=prompt(i, 40), max_new_tokens=60, ignore_eos=True, temperature=0.0)
+            for i in range(4)]
+    core.submit_many(reqs)
+    core._admit()
+    storages, sizes = [], []
+    for _ in range(45):
+        core._decode()
+        layer = core._cache[0]
+        storages.append(layer.keys.untyped_storage().data_ptr())
+        sizes.append(layer.keys.untyped_storage().nbytes())
+    assert core.rebatches == 1 and core.steps == 45
+    assert len(set(storages)) == 2  # room for 40 + 20 positions, then one growth by half
+    assert sizes[-1] > sizes[0] * 1.4
+    for r in reqs:
+        assert r.output_ids == hf_greedy(ref0, r.input_ids, len(r.output_ids))
 
 
 def test_sampling_seed_reproducible(engine):
@@ -993,20 +1014,6 @@ def test_client_sends_flush_cache_false(sgl):
     assert "flush_cache" in fields["UpdateWeightsFromDistributedReqInput"] & fields["UpdateWeightFromDiskReqInput"]
 
 
-def _check_generate_response(sgl, raw: dict, finish_cls: type) -> None:
-    r = sgl.GenerateResponse.from_json_value(raw)
-    m = r.meta_info
-    assert m is not None and m.id == raw["meta_info"]["id"]
-    # the decoder falls back to a plain dict when a finish reason breaks its arm's contract
-    assert isinstance(m.finish_reason, finish_cls), m.finish_reason
-    assert isinstance(m.weight_version, str)
-    assert r.output_ids == raw["output_ids"] and m.completion_tokens == len(r.output_ids)
-    assert sum(s.end - s.start for s in m.weight_versions) == len(r.output_ids)
-    if m.output_token_logprobs is not None:
-        assert [e.token_id for e in m.output_token_logprobs] == r.output_ids
-        assert all(isinstance(e.logprob, float) for e in m.output_token_logprobs)
-
-
 def test_engine_responses_match_sglang_schema(engine, sgl, ref0):
     greedy = hf_greedy(ref0, prompt(4), 10)
 
@@ -1041,19 +1048,19 @@ def test_engine_responses_match_sglang_schema(engine, sgl, ref0):
 
     out = asyncio.run(main())
     assert all(st == 200 for k, (st, _) in out.items() if k != "error"), {k: v[0] for k, v in out.items()}
-    _check_generate_response(sgl, out["length"][1], sgl.FinishLength)
+    check_generate_response(sgl, out["length"][1], sgl.FinishLength)
     assert all(isinstance(e.text, str) for e in sgl.GenerateResponse.from_json_value(
         out["length"][1]).meta_info.output_token_logprobs)  # return_text_in_logprobs
-    _check_generate_response(sgl, out["stop"][1], sgl.FinishStop)
+    check_generate_response(sgl, out["stop"][1], sgl.FinishStop)
     assert sgl.GenerateResponse.from_json_value(out["stop"][1]).meta_info.finish_reason.matched == greedy[3]
     assert isinstance(out["batch"][1], list) and len(out["batch"][1]) == 2
     for raw in out["batch"][1]:
-        _check_generate_response(sgl, raw, sgl.FinishLength)
-    _check_generate_response(sgl, out["text"][1], sgl.FinishLength)
+        check_generate_response(sgl, raw, sgl.FinishLength)
+    check_generate_response(sgl, out["text"][1], sgl.FinishLength)
     assert out["text"][1]["meta_info"]["prompt_tokens"] > 0
-    _check_generate_response(sgl, out["abort"][1], sgl.FinishAbort)
+    check_generate_response(sgl, out["abort"][1], sgl.FinishAbort)
     assert sgl.AbortResponse.from_json_value(out["abort_resp"][1]).success is True
-    _check_generate_response(sgl, out["span"][1], sgl.FinishLength)
+    check_generate_response(sgl, out["span"][1], sgl.FinishLength)
     spans = sgl.GenerateResponse.from_json_value(out["span"][1]).meta_info.weight_versions
     assert [s.version for s in spans] == ["0", "3"]
 

@@ -1,0 +1,207 @@
+"""The embedded engine's SGLang sampling features: `n > 1` (one prefill per group, SGLang's
+list-of-n answer), stop strings (finish reason, trimmed text), prompt log-probs
+(`input_token_logprobs` from `logprob_start_len`), each against transformers and SGLang's
+JSON contract (api_types.py from the sglang wheel), over real HTTP where the shape matters and
+on EngineCore where the cost does (prefill tokens counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+import pytest
+
+from enginekit import (
+    check_generate_response,
+    hf_greedy,
+    load_model,
+    post_json,
+    prompt,
+    reference_logprobs,
+    sglang_api_types,
+)
+
+TOL = 1e-4  # max |engine log-prob - transformers log-prob|, fp32
+
+
+@pytest.fixture(scope="module")
+def ref0(model_dirs):
+    return load_model(model_dirs[0])
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    return sglang_api_types()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dirs[0])
+
+
+def _generate(url: str, *bodies: dict) -> list[tuple[int, object]]:
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            return [await post_json(s, url + "/generate", b) for b in bodies]
+
+    return asyncio.run(main())
+
+
+def _run_core(core, reqs) -> None:
+    """Submit `reqs` to `core` together (as the server does for one /generate) and run until all are done."""
+    done = threading.Semaphore(0)
+    for r in reqs:
+        r.on_done = lambda _r: done.release()
+    core.submit_many(reqs)
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    try:
+        for _ in reqs:
+            assert done.acquire(timeout=120)
+    finally:
+        core.stop()
+        thread.join(timeout=30)
+
+
+# ---------------------------------------------------------------- n > 1
+
+
+def test_group_of_n_costs_one_prefill(model_dirs, ref0):
+    """n samples of one prompt are prefilled as one row (their KV shared) and each still gets
+    the log-probs transformers gives its own tokens; n different prompts cost n prefills."""
+    from streamrl.connectors.engine_core import EngineCore, GenRequest
+
+    p = prompt(5, 12)
+    core = EngineCore(model_dirs[0], max_running=16)
+    group = [GenRequest(rid=f"g{j}", input_ids=list(p), max_new_tokens=10, ignore_eos=True, sampling_seed=j)
+             for j in range(8)]
+    _run_core(core, group)
+    assert core.prefill_tokens == len(p)  # one prefill for the group of 8
+    for r in group:
+        assert len(r.output_ids) == 10
+        assert max(abs(a - b) for a, b in zip(r.logprobs, reference_logprobs(ref0, p, r.output_ids, 1.0))) < TOL
+    assert len({tuple(r.output_ids) for r in group}) > 1  # eight seeds, not one sample copied
+
+    core = EngineCore(model_dirs[0], max_running=16)
+    separate = [GenRequest(rid=f"s{j}", input_ids=prompt(j, 12), max_new_tokens=10, ignore_eos=True) for j in range(8)]
+    _run_core(core, separate)
+    assert core.prefill_tokens == 8 * len(p)
+
+
+def test_group_larger_than_free_slots_is_prefilled_per_admission(model_dirs, ref0):
+    """A group bigger than max_running is admitted as slots free up: each admission turn
+    prefills its part once, and every sample is still right."""
+    from streamrl.connectors.engine_core import EngineCore, GenRequest
+
+    p = prompt(6, 10)
+    core = EngineCore(model_dirs[0], max_running=3)
+    group = [GenRequest(rid=f"g{j}", input_ids=list(p), max_new_tokens=4, ignore_eos=True, temperature=0.0)
+             for j in range(7)]
+    _run_core(core, group)
+    greedy = hf_greedy(ref0, p, 4)
+    assert all(r.output_ids == greedy for r in group)
+    assert core.prefill_tokens == 3 * len(p)  # 3 + 3 + 1 samples: three admissions
+
+
+def test_generate_n_answers_a_list_of_n(engine, sgl, ref0):
+    """SGLang's shape for n > 1: a list of n results (prompt-major for a batch), each with its
+    own meta_info and a fresh rid, each decoding as SGLang's GenerateResponse."""
+    p1, p2 = prompt(7), prompt(8, 11)
+    (st1, one), (st2, batch), (st3, greedy) = _generate(
+        engine.url,
+        {"input_ids": p1, "rid": "grp", "return_logprob": True,
+         "sampling_params": {"n": 4, "max_new_tokens": 6, "ignore_eos": True}},
+        {"input_ids": [p1, p2], "sampling_params": {"n": 2, "max_new_tokens": 5, "temperature": 0}},
+        {"text": "What is 1+2?", "sampling_params": {"n": 3, "max_new_tokens": 5, "temperature": 0}})
+    assert (st1, st2, st3) == (200, 200, 200), (one, batch, greedy)
+    assert isinstance(one, list) and len(one) == 4
+    for raw in one:
+        check_generate_response(sgl, raw, sgl.FinishLength)
+        assert raw["meta_info"]["prompt_tokens"] == len(p1)
+        ref = reference_logprobs(ref0, p1, raw["output_ids"], 1.0)
+        assert max(abs(lp - r) for (lp, _, _), r in zip(raw["meta_info"]["output_token_logprobs"], ref)) < TOL
+    ids = [raw["meta_info"]["id"] for raw in one]
+    assert len(set(ids)) == 4 and "grp" not in ids
+    assert [r["output_ids"] for r in batch] == [hf_greedy(ref0, p1, 5)] * 2 + [hf_greedy(ref0, p2, 5)] * 2
+    assert len(greedy) == 3 and len({tuple(r["output_ids"]) for r in greedy}) == 1
+
+
+def test_n_stop_and_prompt_logprobs_pass_through_sglang_router(router_proc, engine):
+    """The real sglang-router forwards the new request fields and the list answer unchanged."""
+    body = {"input_ids": prompt(9), "return_logprob": True, "logprob_start_len": 2,
+            "sampling_params": {"n": 3, "max_new_tokens": 4, "stop": ["never-here"], "ignore_eos": True}}
+    [(st, out)] = _generate(router_proc.url, body)
+    assert st == 200 and isinstance(out, list) and len(out) == 3, out
+    for raw in out:
+        assert raw["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        assert [t for _, t, _ in raw["meta_info"]["input_token_logprobs"]] == prompt(9)[2:]
+
+
+def test_bad_n_is_a_400(engine):
+    [(st, body)] = _generate(engine.url, {"input_ids": prompt(1), "sampling_params": {"n": 0}})
+    assert st == 400 and "n must be >= 1" in body["error"]["message"]
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def test_stop_string_finishes_and_is_trimmed(engine, sgl, ref0, tokenizer):
+    """A stop string spanning tokens ends generation at the token that completes it; the finish
+    reason names it; `text` is cut before it, or after it with no_stop_trim; output_ids keep
+    every generated token. A listed string that never appears does not match."""
+    p = prompt(4)
+    greedy = hf_greedy(ref0, p, 24)
+    stop = tokenizer.decode(greedy[2:4])  # two tokens' text
+    k = next(k for k in range(1, 25) if stop in tokenizer.decode(greedy[:k]))
+    full = tokenizer.decode(greedy[:k], skip_special_tokens=True)
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": ["never-here", stop]}
+    (st, trimmed), (st2, kept), (st3, single) = _generate(
+        engine.url, {"input_ids": p, "sampling_params": sp},
+        {"input_ids": p, "sampling_params": {**sp, "no_stop_trim": True}},
+        {"input_ids": p, "sampling_params": {**sp, "stop": stop}})
+    assert (st, st2, st3) == (200, 200, 200), (trimmed, kept, single)
+    for raw in (trimmed, kept, single):
+        check_generate_response(sgl, raw, sgl.FinishStop)
+        assert raw["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert raw["output_ids"] == greedy[:k]
+    assert trimmed["text"] == single["text"] == full[: full.find(stop)]
+    assert kept["text"] == full[: full.find(stop) + len(stop)]
+
+
+@pytest.mark.parametrize("stop, words", [(["x"] * 33, "at most 32 stop strings"), ([""], "must not be empty")])
+def test_bad_stop_strings_are_a_400(engine, stop, words):
+    [(st, body)] = _generate(engine.url, {"input_ids": prompt(1), "sampling_params": {"stop": stop}})
+    assert st == 400 and words in body["error"]["message"]
+
+
+# ---------------------------------------------------------------- prompt log-probs
+
+
+def test_input_token_logprobs(engine, sgl, ref0):
+    """SGLang's input_token_logprobs: [logprob, token_id, text|null] for input_ids[logprob_start_len:],
+    log_softmax of the raw logits (whatever the temperature), None for the first entry only;
+    none with the default -1; a start past the prompt is a 400."""
+    p1, p2 = prompt(2, 9), prompt(3, 5)
+    sp = {"max_new_tokens": 2, "temperature": 0.7, "ignore_eos": True}
+    (st, batch), (st2, later), (st3, default), (st4, bad) = _generate(
+        engine.url,
+        {"input_ids": [p1, p2], "return_logprob": True, "logprob_start_len": 0, "sampling_params": sp},
+        {"input_ids": p1, "return_logprob": True, "logprob_start_len": 3, "return_text_in_logprobs": True,
+         "sampling_params": sp},
+        {"input_ids": p1, "return_logprob": True, "sampling_params": sp},
+        {"input_ids": p1, "return_logprob": True, "logprob_start_len": len(p1) + 1, "sampling_params": sp})
+    assert (st, st2, st3) == (200, 200, 200), (batch, later, default)
+    for raw, p, start in ((batch[0], p1, 0), (batch[1], p2, 0), (later, p1, 3)):
+        check_generate_response(sgl, raw, sgl.FinishLength)
+        entries = raw["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in entries] == p[start:]
+        ref = reference_logprobs(ref0, p[:1], p[1:], 0.0)  # log P(p[i] | p[:i]) for i >= 1, raw logits
+        assert entries[0][0] is None
+        assert max(abs(lp - r) for (lp, _, _), r in zip(entries[1:], ref[start:])) < TOL
+    assert all(isinstance(text, str) for _, _, text in later["meta_info"]["input_token_logprobs"])
+    assert default["meta_info"]["input_token_logprobs"] == []
+    assert st4 == 400 and "logprob_start_len" in bad["error"]["message"]
