@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.engine_actor import BACKENDS, EngineActor
 from streamrl.connectors.ports import LOOPBACK, listen_socket, port_of
@@ -116,6 +115,12 @@ class RestartEvent:
 OnRestart = Callable[[int, str], Awaitable[None]]
 
 
+def engine_gpus(backend: str, tp: int) -> int:
+    """GPUs an engine actor takes: tp for SGLang (and for "auto" where the cluster has GPUs)."""
+    gpus = backend == "sglang" or (backend == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return tp if gpus else 0
+
+
 class EngineLauncher:
     """Start `num_engines` engines as Ray actors, register them with `router`, and keep them up.
 
@@ -134,7 +139,7 @@ class EngineLauncher:
                  engine_kwargs: dict[str, Any] | None = None, poll_interval_s: float = 1.0,
                  startup_timeout_s: float = 600, on_restart: OnRestart | None = None,
                  max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
-                 keys: Keys | None = None, host: str = "127.0.0.1") -> None:
+                 keys: Keys | None = None, host: str = "127.0.0.1", placement_group: Any = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if num_engines < 1:
@@ -150,6 +155,7 @@ class EngineLauncher:
         self.poll_interval_s, self.startup_timeout_s = poll_interval_s, startup_timeout_s
         self.on_restart, self.max_restarts = on_restart, max_restarts
         self.actor_options = actor_options or {}
+        self.placement_group = placement_group  # engine i (and its restarts) in bundle i
         self.keys = router.keys if router is not None else keys or Keys()  # the engines' keys are the router's
         self.actors: list[Any] = []
         self.urls: list[str] = []
@@ -162,15 +168,17 @@ class EngineLauncher:
     # ------------------------------------------------------------ lifecycle
 
     def new_actor(self, index: int) -> Any:
-        num_gpus = self.num_gpus
-        if num_gpus is None:
-            gpus = self.backend == "sglang" or (self.backend == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-            num_gpus = self.tp if gpus else 0
+        num_gpus = engine_gpus(self.backend, self.tp) if self.num_gpus is None else self.num_gpus
         have = ray.cluster_resources().get("GPU", 0)
         if num_gpus and have < num_gpus:  # Ray would keep the actor pending forever
             raise RuntimeError(f"engine {index} needs {num_gpus} GPU(s) (backend={self.backend!r}, tp={self.tp}) but "
                                f"the Ray cluster has {have:g}; on CPU use backend='embedded'")
         opts = {"num_cpus": self.num_cpus, "num_gpus": num_gpus, **self.actor_options}
+        if self.placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=index)
         return EngineActor.options(**opts).remote(
             index, self.model_dir, self.backend, str(self.log_dir), self.weight_version, self.tp,
             self.extra_args, self.engine_kwargs, self.host, self.startup_timeout_s, keys=self.keys)

@@ -92,6 +92,29 @@ class RayCfg(_Cfg):
     num_cpus: PosInt | None = None  # logical CPUs of the local cluster; default: enough for every actor
 
 
+class GroupPlacement(_Cfg):
+    """A Ray placement group: one bundle per learner rank / engine / rollout worker."""
+
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # custom Ray resources each bundle also asks for, e.g. {trainer: 1}: the group then goes only to
+    # nodes started with them (`ray start --resources '{"trainer": 8}'`)
+    resources: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = {}
+
+
+class LearnerPlacement(GroupPlacement):
+    """The learner's ranks: STRICT_PACK keeps them on one node (tensor parallel wants NVLink)."""
+
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "STRICT_PACK"
+
+
+class PlacementCfg(_Cfg):
+    """Where the run's actors go on a Ray cluster; checked against its nodes before anything starts."""
+
+    learner: LearnerPlacement = msgspec.field(default_factory=LearnerPlacement)
+    # the engines (SPREAD: over as many nodes as can take one); rollout workers go where these resources are
+    engines: GroupPlacement = msgspec.field(default_factory=GroupPlacement)
+
+
 class ModelInit(_Cfg):
     """Build the model directory locally when it does not exist (connectors/model_kit.py)."""
 
@@ -252,6 +275,7 @@ class Recipe(_Cfg):
     engines: EnginesCfg = msgspec.field(default_factory=EnginesCfg)
     sft: SftCfg | None = None
     ray: RayCfg = msgspec.field(default_factory=RayCfg)
+    placement: PlacementCfg = msgspec.field(default_factory=PlacementCfg)
 
     @property
     def run_dir(self) -> Path:
@@ -462,6 +486,11 @@ def _conflicts(r: Recipe) -> list[tuple[str, str]]:
         out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
                                             "the other modes generate each batch with the rollout workers"))
     out += _learner_conflicts(r)
+    for name in ("learner", "engines"):
+        for res in getattr(r.placement, name).resources:
+            if res in ("CPU", "GPU", "memory", "object_store_memory"):
+                out.append((f"placement.{name}.resources", f"{res!r} is set by the run (learner.num_gpus, "
+                                                           "engines.*): name only custom resources here"))
     return out
 
 

@@ -544,25 +544,47 @@ RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")  # where `ray start` rec
 
 
 @contextlib.contextmanager
-def ray_head(log: Path, num_cpus: int) -> Iterator[str]:
+def ray_head(log: Path, num_cpus: int, resources: str = "{}") -> Iterator[str]:
     """A Ray cluster as a user starts one (`ray start --head --block`, no auth), its address;
     killed on exit, and /tmp/ray/ray_current_cluster (which `ray start` overwrites) put back."""
+    before = RAY_ADDRESS_FILE.read_text() if RAY_ADDRESS_FILE.exists() else None
+    try:
+        with _ray_start(["--head", "--port=0", f"--num-cpus={num_cpus}", f"--resources={resources}",
+                         "--include-dashboard=false", "--disable-usage-stats"], log,
+                        r"ray start --address='([^']+)'") as address:
+            yield address
+    finally:
+        if before is None:
+            RAY_ADDRESS_FILE.unlink(missing_ok=True)
+        else:
+            RAY_ADDRESS_FILE.write_text(before)
+
+
+@contextlib.contextmanager
+def ray_node(address: str, log: Path, num_cpus: int, resources: str = "{}") -> Iterator[None]:
+    """A second node of that cluster on this machine (`ray start --address`), killed on exit."""
+    with _ray_start([f"--address={address}", f"--num-cpus={num_cpus}", f"--resources={resources}",
+                     "--disable-usage-stats"], log, r"(Ray runtime started)"):
+        yield
+
+
+@contextlib.contextmanager
+def _ray_start(args: list[str], log: Path, ready: str) -> Iterator[str]:
+    """`ray start ARGS --block` in a session of its own, until `ready` (a regex) shows in its
+    output; yields the regex's group; SIGTERM then SIGKILL to the whole session on exit."""
     import re
 
-    before = RAY_ADDRESS_FILE.read_text() if RAY_ADDRESS_FILE.exists() else None
     with open(log, "wb") as out:
-        proc = subprocess.Popen([RAY, "start", "--head", "--port=0", f"--num-cpus={num_cpus}",
-                                 "--include-dashboard=false", "--disable-usage-stats", "--block"], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        proc = subprocess.Popen([RAY, "start", *args, "--block"], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     try:
-        deadline, address = time.monotonic() + 120, None
-        while address is None:
-            m = re.search(r"ray start --address='([^']+)'", log.read_text(errors="replace"))
-            address = m.group(1) if m else None
+        deadline, found = time.monotonic() + 120, None
+        while found is None:
+            m = re.search(ready, log.read_text(errors="replace"))
+            found = m.group(1) if m else None
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.5)
-        yield address
+        yield found
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -571,10 +593,6 @@ def ray_head(log: Path, num_cpus: int) -> Iterator[str]:
                 break
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 continue
-        if before is None:
-            RAY_ADDRESS_FILE.unlink(missing_ok=True)
-        else:
-            RAY_ADDRESS_FILE.write_text(before)
 
 
 def short_quickstart(root: Path) -> list[str]:

@@ -1,16 +1,29 @@
-"""A run on an existing Ray cluster (`ray.address`) with a reward module that exists only next
-to the recipe: the module travels to the workers as a Ray `py_modules` entry (it is on no
-worker's path otherwise), the run finishes with a balanced ledger, and every sample was scored by
-it. Also: which modules a run ships, and the error a worker gives for one it cannot import."""
+"""A run on an existing two-node Ray cluster (`ray.address`): the learner on one node, engines and
+rollout workers on the other (recipe `placement`), a reward module that exists only next to the
+recipe travelling to the workers as a Ray `py_modules` entry (it is on no worker's path
+otherwise), a balanced ledger, every sample scored by that module; a placement no node can take
+is exit 2. Also: which modules a run ships, and the error a worker gives for one it cannot import."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-
-from streamkit import (REPO, assert_ledger_balanced, finish_streamrl, pool_stats, ray_head, short_quickstart,
-                       start_streamrl)
+from streamkit import (
+    REPO,
+    assert_ledger_balanced,
+    finish_streamrl,
+    pool_stats,
+    ray_head,
+    ray_node,
+    run_streamrl,
+    short_quickstart,
+    start_streamrl,
+)
 
 REWARD = "def score(response, label, **_):\n    return 0.5  # no built-in reward gives 0.5 on this task\n"
 
@@ -54,16 +67,42 @@ def test_a_worker_that_cannot_import_a_module_says_the_driver_could(monkeypatch:
         resolve_fn("no_such_module_here:score")
 
 
+WHERE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+tags = {n["NodeID"]: [k for k in ("trainer", "rollout") if k in n["Resources"]] for n in ray.nodes()}
+ran: dict = {}
+for a in ray._private.state.actors().values():  # the GCS's actor table (no dashboard needed), dead ones included
+    ran.setdefault(a["ActorClassName"], set()).update(tags.get(a["Address"]["NodeID"], ["?"]))
+print(json.dumps({k: sorted(v) for k, v in ran.items()}))
+"""
+
+
 @pytest.mark.slow
-def test_a_run_on_a_ray_cluster_ships_a_reward_kept_beside_the_recipe(tmp_path: Path) -> None:
+def test_a_run_on_a_two_node_cluster_places_learner_and_engines_and_ships_a_reward(tmp_path: Path) -> None:
+    """Two Ray nodes on this machine (`ray start --head` + `ray start --address`), told apart by
+    custom resources; the learner goes to one, the engines and rollout workers to the other
+    (checked in the GCS's actor table); the reward module exists only beside the recipe."""
     inputs = short_quickstart(tmp_path / "inputs")
     recipe = _recipe_with_module(tmp_path / "elsewhere", REWARD, "my_reward:score")
     run = tmp_path / "run"
-    with ray_head(tmp_path / "ray-start.log", num_cpus=4) as address:
+    place = ["placement.learner.resources={trainer: 1}", "placement.engines.resources={rollout: 1}"]
+    with ray_head(tmp_path / "head.log", num_cpus=2, resources='{"trainer": 2}') as address, \
+            ray_node(address, tmp_path / "node.log", num_cpus=3, resources='{"rollout": 4}'):
+        # a group no node can take: exit 2 before anything starts, naming what is short
+        res = run_streamrl(["run", str(recipe), *inputs, f"ray.address={address}", "placement.engines.resources="
+                            "{gpu_box: 1}", "--run-dir", str(tmp_path / "refused"), "--quiet"], check=False)
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert "placement: the run needs gpu_box 2 in all (the engines 1, the rollout workers 1)" in res.stderr
         # from the repository (the cwd is on the workers' path, the recipe's directory is not)
-        proc = start_streamrl(["run", str(recipe), *inputs, f"ray.address={address}", "--run-dir", str(run), "--quiet"],
-                              tmp_path / "io")
+        proc = start_streamrl(["run", str(recipe), *inputs, *place, f"ray.address={address}", "--run-dir", str(run),
+                               "--quiet"], tmp_path / "io")
         finish_streamrl(proc, tmp_path / "io", run_dir=run)
+        where = subprocess.run([sys.executable, "-c", WHERE, address], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "RAY_AUTH_MODE": "disabled"}, cwd="/")
+    assert where.returncode == 0, where.stderr[-3000:]
+    ran = json.loads(where.stdout.strip().splitlines()[-1])
+    assert ran["_Rank"] == ["trainer"] and ran["EngineActor"] == ["rollout"] and ran["_ActorWorker"] == ["rollout"], ran
     log = (run / "run.log").read_text()
     assert f"joined the cluster at {address}" in log, log[:2000]
     assert f"shipping your modules to every Ray worker: {(recipe.parent / 'my_reward.py').resolve()}" in log

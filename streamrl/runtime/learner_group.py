@@ -12,7 +12,8 @@ actors are threaded: a push or an export runs on rank 0 while the next step trai
 collective waits for all ranks and raises the first rank's error. Everything else goes to rank 0.
 
 The ranks join torch.distributed through a TCPStore this process serves on 127.0.0.1; the
-placement group packs them (one bundle per rank: a CPU slot, plus a GPU on GPU).
+placement group holds them (one bundle per rank: a CPU slot, plus a GPU on GPU; recipe
+`placement.learner`, STRICT_PACK by default: one node).
 """
 
 from __future__ import annotations
@@ -89,10 +90,9 @@ class LearnerGroup:
     def __init__(self, recipe: Recipe, model_dir: str, tokenizer_dir: str) -> None:
         import msgspec
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from streamrl.connectors.ports import tcp_store
+        from streamrl.runtime import placement
 
         tp, pp, dp = learner_layout(recipe)
         self.world = tp * pp * dp
@@ -102,13 +102,12 @@ class LearnerGroup:
             raise RuntimeError(f"the learner needs {self.world} GPU(s) (learner.parallel tp {tp} x pp {pp} x dp {dp}) "
                                f"but the Ray cluster has {have:g}")
         self.store = tcp_store(self.world)  # the ranks' rendezvous; kept for the group's life (new_group uses it)
-        self.pg = placement_group([{"CPU": 1, **({"GPU": 1} if gpus else {})}] * self.world, strategy="PACK")
+        self.pg = placement.group(placement.learner_request(recipe))
         # Threads: a weight push and an evaluation export run on rank 0 while the next step trains.
         cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0, max_concurrency=8)(_Rank)
         recipe_json = msgspec.json.encode(recipe)
-        self.ranks = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                          placement_group=self.pg, placement_group_bundle_index=i)).remote(
-                          recipe_json, model_dir, tokenizer_dir, i, self.store.port)
+        self.ranks = [cls.options(**placement.on(self.pg, i)).remote(recipe_json, model_dir, tokenizer_dir, i,
+                                                                     self.store.port)
                       for i in range(self.world)]
         self._seq = itertools.count()
 

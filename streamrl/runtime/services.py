@@ -42,6 +42,8 @@ class Services:
         self.engines: Any = None  # streamrl.connectors.launcher.EngineLauncher
         self.learner: Any = None  # the learner actor (streamrl/runtime/learner.py)
         self.workers: list[Any] = []  # rollout worker actors
+        self.engines_pg: Any = None  # placement groups (streamrl/runtime/placement.py); the learner's is its own
+        self.workers_pg: Any = None
         self.broadcaster: Any = None
         self.bg_eval: Any = None  # BackgroundEval with run.eval_mode background
         self.producer_proc: Any = None  # `streamrl produce serve` with producer_api.enabled
@@ -59,8 +61,9 @@ class Services:
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from streamrl.connectors.launcher import EngineLauncher, RayUnavailable, ensure_ray
+        from streamrl.connectors.launcher import EngineLauncher, RayUnavailable, engine_gpus, ensure_ray
         from streamrl.connectors.router import Router
+        from streamrl.runtime import placement
         from streamrl.runtime.broadcast import VersionBroadcaster
         from streamrl.runtime.learner_group import LearnerGroup
         from streamrl.runtime.rollout import worker_actor
@@ -88,6 +91,8 @@ class Services:
                       f" (GCS {ray.get_runtime_context().gcs_address})")
         self.log.info(f"run directory {self.dir}: starting the router, {r.engines.num} engine(s), the learner")
         self.log.info(f"learner: {learner_summary(r)}")
+        groups = placement.plan(r, engine_gpus(r.engines.backend, r.engines.tp), placement.ENGINE_CPUS)
+        placement.check(groups)  # before anything starts: exit 2 naming a short resource
         self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs", keys=self.keys).start()
         # Who may generate during the run (the user with curl, the producer service for external
         # producers) finds the router and the API key here (owner-only; never the admin key).
@@ -102,6 +107,10 @@ class Services:
             shutil.rmtree(self.dir / "weights", ignore_errors=True)  # exports of the stopped run
         self.learner = LearnerGroup(r, str(sft_dir) if sft_done else r.model.path,
                                     str(Path(r.model.tokenizer or r.model.path).resolve()))
+        self.engines_pg, self.workers_pg = placement.group(groups["engines"]), placement.group(groups["workers"])
+        for pg, what in ((self.learner.pg, "the learner's ranks"), (self.engines_pg, "the engines"),
+                         (self.workers_pg, "the rollout workers")):
+            await placement.ready(pg, what)
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               keep_weights=r.engines.keep_weights, tp=r.engines.tp)
@@ -112,7 +121,7 @@ class Services:
         self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
                                       log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
-                                      host=r.engines.host)
+                                      host=r.engines.host, num_cpus=placement.ENGINE_CPUS, placement_group=self.engines_pg)
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
         bg_up = None
@@ -138,7 +147,8 @@ class Services:
             self.broadcaster.version = self.version
         n = r.rollout.workers
         states = self.data_states if self.data_states and len(self.data_states) == n else [None] * n
-        self.workers = [worker_actor().remote(recipe_json, self.router.url, i, n, self.version, states[i], self.keys.api)
+        self.workers = [worker_actor(placement.WORKER_CPUS).options(**placement.on(self.workers_pg, i)).remote(
+                            recipe_json, self.router.url, i, n, self.version, states[i], self.keys.api)
                         for i in range(n)]
         await asyncio.gather(*(w.ready.remote() for w in self.workers))
         for w in self.workers:
@@ -237,6 +247,9 @@ class Services:
             ray.kill(a, no_restart=True)
         if self.learner is not None:
             self.learner.kill()
+        for pg in (self.engines_pg, self.workers_pg):
+            if pg is not None:
+                ray.util.remove_placement_group(pg)
         if not self.r.ray.address:
             ray.shutdown()
         if self.log.mirror is not None:
