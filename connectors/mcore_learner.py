@@ -150,7 +150,7 @@ class MegatronLearner:
         norm = self.opt.finish_grads()
         lr = self.opt.lr
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            self.opt.drop_grads()
+            self.opt.zero_grad()
             self.nonfinite_skipped += 1
             log.warning("optimizer step skipped: loss %s, gradient norm %s (%d skipped so far)", loss, norm,
                         self.nonfinite_skipped)

@@ -8,7 +8,7 @@ reduce-scattered and parameters all-gathered) when there is more than one DP ran
   config by mcore_model.make_bridge; the schedule then leaves each loss undivided).
 - `finish_grads` reduces (DP; tied embeddings over the first and last pipeline stage, as
   megatron's finalize_model_grads does) and returns the global gradient norm; `step` clips to
-  `grad_clip` and updates. A caller that finds the norm not finite calls `drop_grads` instead,
+  `grad_clip` and updates. A caller that finds the norm not finite calls `zero_grad` instead,
   and nothing moves (weights, moments, the warm-up position).
 - LR: linear warm-up over `warmup_steps` optimizer steps, then constant (`last_epoch` counts the
   steps taken, as torch's LR schedulers do; `scheduler_state` / `load_scheduler_state`).
@@ -91,9 +91,6 @@ class Optimizer:
         self.zero_grad()
         self.last_epoch += 1
         self._set_lr()
-
-    def drop_grads(self) -> None:
-        self.zero_grad()
 
     def reset(self, lr: float) -> None:
         """Forget Adam's moments and the warm-up position; `lr` becomes the base LR."""
