@@ -89,7 +89,7 @@ def rank_main() -> None:
 
     model_dir = Path(a.work) / a.preset
     learner = MegatronLearner(model_dir, lr=a.lr, grad_clip=1.0, micro_batch_size=a.micro_batch_size,
-                              distributed_optimizer=bool(a.distopt))
+                              distributed_optimizer=bool(a.distopt), max_tokens_per_micro_batch=a.max_tokens)
     from transformers import AutoConfig
 
     samples = make_batch(a, AutoConfig.from_pretrained(str(model_dir)).vocab_size)

@@ -43,7 +43,9 @@ FIGURES = """
 method: a fixed batch of --samples rows in groups of --group-size (GRPO: random 0/1 rewards
 per row, advantages by streamrl.core.algorithms.group_advantages(..., "grpo")), random token ids,
 prompt lengths uniform in [--prompt-len * 3/4, --prompt-len * 5/4] and response lengths
-likewise around --response-len; micro-batches of --micro-batch-size rows (whole groups).
+likewise around --response-len (--longtail: the long-tail recipe's shape instead, 8 tokens per
+step, steps n = 2..28 drawn with P(n) ~ 1/n); micro-batches of at most --micro-batch-size rows
+and --max-tokens padded tokens, rows of similar length together (plan_micro_batches).
 Objective: RLConfig defaults (token aggregation, clip 0.2 / 0.28, no KL, no entropy bonus, on
 policy), AdamW at --lr, grad clip 1.0. Every step of both sides trains on that same batch.
 Per preset, each side first takes --warmup untimed steps (the first one's stats are the
@@ -109,7 +111,7 @@ class TransformersLearner:
     """What MegatronLearner.rl_step does, on a transformers causal LM (no LR warm-up)."""
 
     def __init__(self, model_dir: Path, lr: float, grad_clip: float, micro_batch_size: int,
-                 attention: str = "sdpa") -> None:
+                 attention: str = "sdpa", max_tokens: int | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
@@ -118,6 +120,7 @@ class TransformersLearner:
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens
 
     def _micro_batches(self, samples: Sequence[Any]) -> list[list[Any]]:
         from streamrl.connectors.mcore_learner import MegatronLearner
@@ -186,9 +189,16 @@ def make_batch(args: argparse.Namespace, vocab: int) -> list[Any]:
     def length(mean: int) -> int:
         return rng.randint(max(1, mean * 3 // 4), max(1, mean * 5 // 4))
 
+    steps = range(2, 29)
+
+    def response_len() -> int:
+        if args.longtail:
+            return 8 * rng.choices(steps, weights=[1 / n for n in steps])[0]
+        return length(args.response_len)
+
     # ids from 3 up: no special tokens (0-2), though the model would not care
     return [Sample(prompt=[rng.randrange(3, vocab) for _ in range(length(args.prompt_len))],
-                   response=[rng.randrange(3, vocab) for _ in range(length(args.response_len))],
+                   response=[rng.randrange(3, vocab) for _ in range(response_len())],
                    advantage=adv[i], group=i // args.group_size) for i in range(groups * args.group_size)]
 
 
@@ -211,8 +221,10 @@ def bench_preset(preset: str, args: argparse.Namespace, work: Path) -> tuple[dic
 
     log(f"{preset}: building the model in {work / preset}")
     model_dir = init_model_dir(work / preset, preset=preset)
-    mg = MegatronLearner(model_dir, lr=args.lr, grad_clip=1.0, micro_batch_size=args.micro_batch_size)
+    mg = MegatronLearner(model_dir, lr=args.lr, grad_clip=1.0, micro_batch_size=args.micro_batch_size,
+                         max_tokens_per_micro_batch=args.max_tokens)
     hf = TransformersLearner(model_dir, lr=args.lr, grad_clip=1.0, micro_batch_size=args.micro_batch_size,
+                             max_tokens=args.max_tokens,
                              attention=args.hf_attention)
     vocab = hf.model.config.vocab_size
     samples = make_batch(args, vocab)
@@ -286,6 +298,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=16, help="mean prompt length in tokens (default 16)")
     ap.add_argument("--response-len", type=int, default=128, help="mean response length in tokens (default 128)")
     ap.add_argument("--micro-batch-size", type=int, default=8, help="rows per micro-batch (default 8)")
+    ap.add_argument("--max-tokens", type=int, help="padded tokens per micro-batch (learner.max_tokens_per_micro_batch; "
+                    "default: no cap)")
+    ap.add_argument("--longtail", action="store_true", help="response lengths shaped like recipes/longtail.yaml's "
+                    "(8 to 224 tokens, P(n steps) ~ 1/n) instead of uniform around --response-len")
     ap.add_argument("--warmup", type=int, help="untimed steps per side and preset (default 3, quick 2)")
     ap.add_argument("--steps", type=int, help="timed rounds, one step per side each (default 30, quick 8)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -350,6 +366,7 @@ def main() -> None:
         "benchmark": "learner_step", "quick": args.quick, **head,
         "config": {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
                    "warmup": args.warmup, "steps": args.steps, "micro_batch_size": args.micro_batch_size,
+                   "max_tokens": args.max_tokens, "longtail": args.longtail,
                    "group_size": args.group_size, "lr": args.lr, "loss_agg": "token", "advantages": "grpo",
                    "dtype": "float32", "transformers_attention": args.hf_attention},
         "git": git_rev(),

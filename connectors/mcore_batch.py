@@ -4,7 +4,9 @@ log-probs / entropy of the response tokens.
 Padding (not packing): each micro-batch is padded to its longest row. With right padding the
 causal mask alone keeps pads from influencing real tokens, so one [1, 1, T, T] boolean mask
 serves the whole batch; packing would need per-sequence masks or THD kernels that need
-TransformerEngine, and saves little at the tiny/small model sizes this runs on CPU.
+TransformerEngine. What keeps padding cheap instead is `plan_micro_batches`: rows of similar
+length share a micro-batch, and a token budget caps rows x longest row (slime's and verl's
+dynamic batch size, counted in padded tokens because that is what a padded step computes).
 """
 
 from __future__ import annotations
@@ -59,6 +61,38 @@ def logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: f
     logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     return logp, entropy
+
+
+def plan_micro_batches(lengths: Sequence[int], groups: Sequence[Any], max_rows: int,
+                       max_tokens: int | None = None, whole_groups: bool = False) -> list[list[int]]:
+    """Row indices per micro-batch. Rows are taken in order of length (ties by position:
+    deterministic, so every rank and a replay plan alike); a micro-batch is closed before it
+    would hold more than `max_rows` rows or, with `max_tokens`, more than `max_tokens` padded
+    tokens (rows x its longest row). A row longer than the budget gets a micro-batch of its own.
+    With `whole_groups` (group aggregation needs a group's rows together) the unit is a group,
+    placed by its longest row, and a group larger than the limits is one micro-batch.
+    Why: one padded micro-batch computes every row at the longest row's length; 64 long-tail rows
+    of 21-221 tokens (mean 83) pad to 14.1k tokens in one micro-batch, to 6.1k sorted and capped
+    at 1024 padded tokens (benchmarks/README.md, learner_step.py --longtail)."""
+    if max_rows < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"max_rows and max_tokens must be at least 1, got {max_rows} and {max_tokens}")
+    units: dict[Any, list[int]] = {}
+    for i, g in enumerate(groups if whole_groups else range(len(lengths))):
+        units.setdefault(g, []).append(i)
+    order = sorted(units.values(), key=lambda rows: (max(lengths[i] for i in rows), rows[0]))
+    out: list[list[int]] = []
+    longest = 0
+    for rows in order:
+        t = max(longest, *(lengths[i] for i in rows))
+        fits = out and len(out[-1]) + len(rows) <= max_rows and (
+            max_tokens is None or (len(out[-1]) + len(rows)) * t <= max_tokens)
+        if fits:
+            out[-1].extend(rows)
+            longest = t
+        else:
+            out.append(list(rows))
+            longest = max(lengths[i] for i in rows)
+    return [sorted(mb) for mb in out]  # batch order inside: a batch that fits one micro-batch stays as it came
 
 
 def balanced_split(weights: Sequence[float], parts: int) -> list[int]:

@@ -6,10 +6,12 @@ Optimizer (connectors/mcore_optimizer.py): megatron's DistributedDataParallel an
 warm-up then constant (counted in optimizer steps). A claimed batch is trained in
 `mini_batches` x `epochs` optimizer steps (1 x 1 by default) after its proximal log-probs and
 off-policy correction are taken once; the objective of a micro-batch is
-streamrl.core.algorithms.objective.micro_batch_loss. Micro-batches hold whole groups and each
+streamrl.core.algorithms.objective.micro_batch_loss. Micro-batches hold rows of similar length
+(mcore_batch.plan_micro_batches: at most `micro_batch_size` rows and, when set,
+`max_tokens_per_micro_batch` padded tokens; whole groups under group aggregation) and each
 micro-batch's loss is weighted by its share of the aggregation units (tokens, sequences or
 groups with at least one token in the loss), so an optimizer step equals one pass over its
-whole mini-batch. A step whose loss or gradient norm is not finite is skipped (weights,
+whole mini-batch, however it was cut. A step whose loss or gradient norm is not finite is skipped (weights,
 optimizer and LR schedule untouched) and counted.
 
 Parallelism (connectors/mcore_parallel.py): tensor, pipeline and data parallel ranks. Every
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from streamrl.connectors.mcore_batch import TokenBatch, balanced_split, logprobs_and_entropy
+from streamrl.connectors.mcore_batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
 from streamrl.connectors.mcore_parallel import Parallel, init_distributed
 from streamrl.core import algorithms as alg
 from streamrl.core.algorithms import offpolicy
@@ -64,7 +66,8 @@ class Sample:
 class MegatronLearner:
     def __init__(self, model_dir: str | Path, lr: float = 1e-4, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False,
-                 distributed_optimizer: bool = True, adam_eps: float = 1e-8) -> None:
+                 distributed_optimizer: bool = True, adam_eps: float = 1e-8,
+                 max_tokens_per_micro_batch: int | None = None) -> None:
         from streamrl.connectors.mcore_model import load_model
         from streamrl.connectors.mcore_optimizer import Optimizer
 
@@ -77,6 +80,7 @@ class MegatronLearner:
                              warmup_steps=warmup_steps, adam_eps=adam_eps, distributed=distributed_optimizer)
         self.params = self.opt.params
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.version = 0  # +1 per SFT step and per claimed RL batch (however many optimizer steps it took)
         self.nonfinite_skipped = 0  # optimizer steps skipped for a non-finite loss or gradient norm, so far
         self.device = next(self.model.parameters()).device
@@ -111,15 +115,11 @@ class MegatronLearner:
             got = [torch.zeros_like(b.resp_mask) for b in batches]
         return list(self.par.from_last_stage(got))
 
-    def _micro_batches(self, samples: Sequence[Sample]) -> list[list[Sample]]:
-        """Whole groups per micro-batch, about `micro_batch_size` rows each."""
-        out: list[list[Sample]] = []
-        for s in samples:
-            new_group = not out or out[-1][-1].group != s.group
-            if not out or (new_group and len(out[-1]) >= self.micro_batch_size):
-                out.append([])
-            out[-1].append(s)
-        return out
+    def _micro_batches(self, samples: Sequence[Sample], whole_groups: bool = False) -> list[list[Sample]]:
+        """Rows of similar length per micro-batch (mcore_batch.plan_micro_batches)."""
+        plan = plan_micro_batches([len(s.prompt) + len(s.response) for s in samples], [s.group for s in samples],
+                                  self.micro_batch_size, self.max_tokens_per_micro_batch, whole_groups)
+        return [[samples[i] for i in mb] for mb in plan]
 
     def _mini_batches(self, samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
         """`parts` mini-batches of whole groups in batch order, their group counts as even as
@@ -166,8 +166,9 @@ class MegatronLearner:
         total = sum(len(r) for _, r in rows)
         rows = [r for _, r in self._dp_share(list(enumerate(rows)), key=lambda x: x[0],
                                              tokens=lambda x: len(x[1][0]) + len(x[1][1]))]
-        batches = [TokenBatch(rows[i: i + self.micro_batch_size]).to(self.device)
-                   for i in range(0, len(rows), self.micro_batch_size)]
+        plan = plan_micro_batches([len(p) + len(r) for p, r in rows], [0] * len(rows), self.micro_batch_size,
+                                  self.max_tokens_per_micro_batch)
+        batches = [TokenBatch([rows[i] for i in mb]).to(self.device) for mb in plan]
 
         def step(chunk: Any, i: int) -> tuple[torch.Tensor, Any]:
             b = batches[i]
@@ -266,7 +267,7 @@ class MegatronLearner:
         prepared: list[list[tuple[TokenBatch, LossInputs]]] = []
         counts: list[dict[str, float]] = []
         for m in minis:
-            mini, c = self._prepare(self._micro_batches(m), cfg)
+            mini, c = self._prepare(self._micro_batches(m, whole_groups=cfg.loss_agg == "group"), cfg)
             prepared.append(mini)
             counts += c
         steps = [self._train_mini_batch(mini, cfg) for _ in range(cfg.epochs) for mini in prepared]

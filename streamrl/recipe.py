@@ -215,6 +215,9 @@ class LearnerCfg(_Cfg):
     num_gpus: NonNegInt = 0  # GPUs for the whole learner (one per rank: tp * pp * dp); 0 = CPU
     cpus: list[NonNegInt] = []  # pin the learner to these cores (Linux; rank r takes cpus[r::ranks]); empty = no pinning
     micro_batch_size: PosInt = 8
+    # Padded tokens (rows x longest row) a micro-batch may hold; null = rows alone decide. Rows are
+    # grouped by length either way, so a long-tailed batch does not pad every row to its longest.
+    max_tokens_per_micro_batch: PosInt | None = None
     grad_clip: PosFloat = 1.0
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     loss_agg: Literal["token", "seq", "group"] = "token"

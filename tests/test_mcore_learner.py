@@ -162,24 +162,40 @@ def test_two_mini_batches_make_the_clip_act_and_one_is_a_plain_step(model_dir: P
 
 SPLIT = BATCH + """
     out = {}
+    # micro-batches of 3 rows, of at most 20 padded tokens (1-2 rows of 7-12 tokens; whole groups
+    # under group aggregation), vs the whole batch in one
     for agg in ("token", "seq", "group"):
-        for mbs in (3, 64):  # micro-batches of one group vs the whole batch in one
-            learner = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=mbs)
+        for mbs, budget in ((3, None), (64, 20), (64, None)):
+            learner = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=mbs, max_tokens_per_micro_batch=budget)
             m = learner.rl_step(batch(empty=(1, 2)), RLConfig(loss_agg=agg, off_policy="tis"))
-            out[f"{agg}-{mbs}"] = {k: m[k] for k in ("loss", "grad_norm", "is_weight_mean")}
+            out[f"{agg}-{mbs}-{budget}"] = {k: m[k] for k in ("loss", "grad_norm", "is_weight_mean")}
+            out[f"{agg}-{mbs}-{budget}"]["micro_batches"] = len(learner._micro_batches(batch(), agg == "group"))
+    for budget in (20, None):
+        learner = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=64, max_tokens_per_micro_batch=budget)
+        m = learner.sft_step([(s.prompt, s.response) for s in batch()])
+        out[f"sft-{budget}"] = {k: m[k] for k in ("loss", "grad_norm")}
     print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
 def test_micro_batched_step_equals_the_whole_batch_with_an_empty_sample(model_dir: Path) -> None:
+    """However the batch is cut (rows per micro-batch, a padded-token budget), one step is the
+    gradient of the whole batch's aggregate, for SFT too."""
     res = run_script(SPLIT, str(model_dir))
     for agg in ("token", "seq", "group"):
-        small, whole = res[f"{agg}-3"], res[f"{agg}-64"]
-        assert small["loss"] == pytest.approx(whole["loss"], rel=1e-5), (agg, res)
-        assert small["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5), (agg, res)
-        assert small["is_weight_mean"] == pytest.approx(whole["is_weight_mean"], rel=1e-6)
-    assert len({round(res[f"{agg}-64"]["loss"], 6) for agg in ("token", "seq", "group")}) == 3, res  # they differ
+        whole = res[f"{agg}-64-None"]
+        assert whole["micro_batches"] == 1
+        for cut in (f"{agg}-3-None", f"{agg}-64-20"):
+            small = res[cut]
+            assert small["micro_batches"] > 1, (cut, res)
+            assert small["loss"] == pytest.approx(whole["loss"], rel=1e-5), (cut, res)
+            assert small["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5), (cut, res)
+            assert small["is_weight_mean"] == pytest.approx(whole["is_weight_mean"], rel=1e-6)
+    assert res["token-64-20"]["micro_batches"] > res["group-64-20"]["micro_batches"] == 4  # groups stay whole
+    assert len({round(res[f"{agg}-64-None"]["loss"], 6) for agg in ("token", "seq", "group")}) == 3, res  # they differ
+    assert res["sft-20"]["loss"] == pytest.approx(res["sft-None"]["loss"], rel=1e-5), res
+    assert res["sft-20"]["grad_norm"] == pytest.approx(res["sft-None"]["grad_norm"], rel=1e-5), res
 
 
 NONFINITE = BATCH + """

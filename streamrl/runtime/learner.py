@@ -158,7 +158,8 @@ class LearnerDriver(WeightSource):
         self.r = recipe
         self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
                                        micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0,
-                                       distributed_optimizer=lc.parallel.distributed_optimizer)
+                                       distributed_optimizer=lc.parallel.distributed_optimizer,
+                                       max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
         self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature,
                                         mode_bound(recipe.run.mode, recipe.staleness.max_staleness))
         self.pool = None
