@@ -358,14 +358,12 @@ class EngineCore:
         self._running = [r for r in batch if r.finish is None]
 
     def _sample_and_record(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
-        logits = logits.float()
-        for i, r in enumerate(reqs):
-            try:
-                tok, lp = _pick(logits[i], r)
-            except (RuntimeError, ValueError) as e:  # one request's bad numbers must not end the others
-                r.error = f"sampling failed: {type(e).__name__}: {e}"
+        for r, picked in zip(reqs, _pick_many(logits.float(), reqs)):
+            if isinstance(picked, Exception):  # one request's bad numbers must not end the others
+                r.error = f"sampling failed: {type(picked).__name__}: {picked}"
                 self._finish(r, {"type": "abort", "message": r.error})
                 continue
+            tok, lp = picked
             r.record(tok, lp, self.weight_version)
             n = len(r.output_ids)
             total = len(r.input_ids) + n
@@ -459,6 +457,45 @@ def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
     """`t` ([batch, heads, n, dim]) with zeros in front up to `length` positions."""
     pad = length - t.shape[2]
     return torch.nn.functional.pad(t, (0, 0, pad, 0)) if pad else t
+
+
+def _pick_many(logits: torch.Tensor, reqs: list[GenRequest]) -> list[tuple[int, float] | Exception]:
+    """`_pick` for every row of `logits` [B, V]. Greedy rows and plainly sampled ones
+    (temperature > 0, no top-k / top-p: what rollouts use) go through batched ops: a row is
+    sampled by inverse CDF from one uniform drawn from its own request's generator, so a seeded
+    request's tokens depend on its seed alone, never on the batch around it. Per row in Python
+    this was more than half of a decode step of the tiny model at batch 64 (3.7 ms of sampling
+    against 2.7 ms of forward). Other rows, and a row whose numbers are not finite, go to `_pick`
+    (which raises for the latter: that request fails alone)."""
+    out: list[tuple[int, float] | Exception | None] = [None] * len(reqs)
+    vocab = logits.shape[-1]
+    greedy = [i for i, r in enumerate(reqs) if r.temperature == 0]
+    plain = [i for i, r in enumerate(reqs) if r.temperature > 0 and not 0 < r.top_k < vocab and r.top_p >= 1.0]
+    if greedy:
+        rows = logits[torch.tensor(greedy)]
+        tok = rows.argmax(-1)
+        lp = torch.log_softmax(rows, -1).gather(1, tok[:, None])[:, 0]
+        for k, i in enumerate(greedy):
+            if torch.isfinite(lp[k]):
+                out[i] = (int(tok[k]), float(lp[k]))
+    if plain:
+        temps = torch.tensor([reqs[i].temperature for i in plain], dtype=logits.dtype)
+        logp = torch.log_softmax(logits[torch.tensor(plain)] / temps[:, None], -1)
+        cdf = logp.exp().cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=reqs[i].generator) for i in plain])
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+        lp = logp.gather(1, tok[:, None])[:, 0]
+        ok = torch.isfinite(lp) & torch.isfinite(cdf[:, -1])  # a finite log-prob: never a token of probability 0
+        for k, i in enumerate(plain):
+            if ok[k]:
+                out[i] = (int(tok[k]), float(lp[k]))
+    for i, r in enumerate(reqs):
+        if out[i] is None:
+            try:
+                out[i] = _pick(logits[i], r)
+            except (RuntimeError, ValueError) as e:
+                out[i] = e
+    return out  # type: ignore[return-value]
 
 
 def _pick(row: torch.Tensor, r: GenRequest) -> tuple[int, float]:

@@ -205,3 +205,62 @@ def test_input_token_logprobs(engine, sgl, ref0):
     assert all(isinstance(text, str) for _, _, text in later["meta_info"]["input_token_logprobs"])
     assert default["meta_info"]["input_token_logprobs"] == []
     assert st4 == 400 and "logprob_start_len" in bad["error"]["message"]
+
+
+def _req(seed: int | None, **sp):
+    import torch
+
+    from streamrl.connectors.engine_core import GenRequest
+
+    r = GenRequest(rid=str(seed), input_ids=[1], sampling_seed=seed, **sp)
+    r.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return r
+
+
+def test_batched_sampling_follows_the_softmax_of_each_row():
+    """The decode step samples every plain row in one batch (inverse CDF, engine_core._pick_many):
+    the frequencies of 4000 draws match softmax(logits / T) per row, and each log-prob is
+    log_softmax(logits / T) of the token drawn."""
+    import torch
+
+    from streamrl.connectors.engine_core import _pick_many
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")], [0.0, 0.0, 3.0, 0.0, 0.0]])
+    temps = (1.0, 0.7)
+    counts = torch.zeros(2, 5)
+    reqs = [_req(s, temperature=t) for s, t in zip((1, 2), temps)]
+    for _ in range(4000):
+        for row, (tok, lp) in enumerate(_pick_many(logits, reqs)):
+            counts[row, tok] += 1
+            assert lp == pytest.approx(float(torch.log_softmax(logits[row] / temps[row], -1)[tok]), abs=1e-6)
+    want = torch.softmax(logits / torch.tensor(temps)[:, None], -1)
+    assert counts[0, 4] == 0  # probability 0 is never drawn
+    assert torch.allclose(counts / 4000, want, atol=0.03), (counts / 4000, want)
+
+
+def test_a_seeded_row_samples_the_same_alone_or_in_any_batch():
+    import torch
+
+    from streamrl.connectors.engine_core import _pick_many
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    alone = _pick_many(logits[3:4], [_req(7)])[0]
+    assert _pick_many(logits, [_req(s) for s in (11, 12, 13, 7, 14, 15)])[3] == alone
+    mixed = [_req(11, top_k=5), _req(None), _req(13, temperature=0.0), _req(7), _req(14, top_p=0.9), _req(15)]
+    assert _pick_many(logits, mixed)[3] == alone
+
+
+def test_top_k_top_p_greedy_and_bad_rows_in_one_batch():
+    """Rows with top-k / top-p go through the per-row sampler, greedy rows take the argmax, and a
+    row whose logits are NaN fails alone (an exception in its place, the others sampled)."""
+    import torch
+
+    from streamrl.connectors.engine_core import _pick_many
+
+    logits = torch.tensor([[0.0, 5.0, 4.9, -2.0], [0.0, 5.0, 4.9, -2.0], [float("nan")] * 4, [1.0, 0.0, 0.0, 3.0]])
+    reqs = [_req(1, top_k=1), _req(2, temperature=0.0), _req(3), _req(4, top_p=1e-6)]
+    out = _pick_many(logits, reqs)
+    assert out[0][0] == 1 and out[1][0] == 1 and out[3][0] == 3, out
+    assert isinstance(out[2], RuntimeError), out
+    assert out[1][1] == pytest.approx(float(torch.log_softmax(logits[1], -1)[1]))
