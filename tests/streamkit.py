@@ -114,6 +114,12 @@ def child_env() -> dict[str, str]:
     """The environment of a `streamrl run` child: tests/ and the repo on PYTHONPATH (the run
     hands PYTHONPATH on to its Ray workers, so `rewardkit:fn` imports there too)."""
     env = dict(os.environ)
+    # An in-process test that started StreamRL's own local Ray left its private token and token
+    # mode in this process's environment (launcher.ensure_ray); a child that inherited them and
+    # joined another cluster (ray.address) would demand that token of the cluster's GCS, which
+    # then takes the child for dead and destroys its actors. Each run makes its own.
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
