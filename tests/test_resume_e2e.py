@@ -55,7 +55,8 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("moment", ["publish:5", "checkpoint.files:2", "random", "random-tp2", "sigint"])
+# publish:4 freezes in step 3's publish: the checkpoint "after step 2" usually holds step 3 (trained meanwhile).
+@pytest.mark.parametrize("moment", ["publish:4", "checkpoint.files:2", "random", "random-tp2", "sigint"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str) -> None:
     run_dir = tmp_path / "run"
@@ -118,6 +119,10 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     assert sorted(last) == list(range(STEPS)), res.stdout
     assert [last[s]["policy_version"] for s in range(STEPS)] == list(range(1, STEPS + 1))
     assert steps_before <= set(last)
+    if moment.startswith("publish") and ck not in steps_before:
+        # Frozen in step ck's publish, before its metrics were logged, with a checkpoint that caught step ck
+        # (it trained while the previous publish checkpointed): its row comes back from the checkpoint.
+        assert last[ck].get("from_checkpoint"), last[ck]
     assert "differ slightly" not in run_log(run_dir), "re-training after the checkpoint must give the same losses"
 
     stats = assert_ledger_balanced(run_dir)  # `streamrl pool stats --json`

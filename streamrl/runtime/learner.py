@@ -172,6 +172,7 @@ class LearnerDriver(WeightSource):
         # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
         self._snapshot: dict[str, torch.Tensor] | None = None
         self.last_step = -1  # the learner step the current weights come from (-1: none yet)
+        self.last_metrics: dict[str, Any] = {}  # that step's metrics: a checkpoint of it keeps them (see checkpoint)
         self._lock = threading.Lock()
         self._take_snapshot()
 
@@ -263,22 +264,24 @@ class LearnerDriver(WeightSource):
         wait_s = time.perf_counter() - t_wait
         batch.groups = batch_order(batch.groups)
         rows, rewards = learner_rows(batch.groups, self.r.learner.advantage)
-        m = self._train(step, self._share(rows) or [])
+        m = self._train(step, self._share(rows) or [], {"wait_s": wait_s, **batch_metrics(batch, rewards)})
         if self.r.run.eval_mode == "background" and eval_due(self.r.run, self.version):
             assert self._snapshot is not None
             self._pinned[self.version] = self._snapshot  # kept whole until `export(..., version)` takes it
-        return {"step": step, "policy_version": self.version, "wait_s": wait_s, **m, **batch_metrics(batch, rewards)}
+        return m
 
-    def _train(self, step: int, rows: list[Any]) -> dict[str, Any]:
+    def _train(self, step: int, rows: list[Any], info: dict[str, Any] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
+        tokens = sum(len(r.response) for r in rows)
         with self._lock:
             stats = self.learner.rl_step(rows, self.cfg) if rows else {}
-            self.last_step = step
+            train_s = time.perf_counter() - t0
+            m = {"step": step, "policy_version": self.version, **(info or {}), "train_s": train_s,
+                 "train_tokens": tokens, "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0, **stats}
+            # Set with the weights, under the lock a checkpoint takes: a checkpoint of this step has its metrics.
+            self.last_step, self.last_metrics = step, m
             self._take_snapshot()  # a copy, laid out as the broadcast sends it
-        train_s = time.perf_counter() - t0
-        tokens = sum(len(r.response) for r in rows)
-        return {"train_s": train_s, "train_tokens": tokens,
-                "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0, **stats}
+        return m
 
     def retrain(self, step: int, group_ids: list[str], max_staleness: int) -> dict[str, Any]:
         """Train on the groups a past step consumed, as that step did (resume, replay)."""
@@ -299,10 +302,9 @@ class LearnerDriver(WeightSource):
                                     "mask") == "mask":
                     staleness.mask_stale_tokens(g, v, max_staleness)
         rows, rewards = learner_rows(groups, self.r.learner.advantage)
-        m = self._train(step, self._share(rows) or [])
-        return {"step": step, "policy_version": self.version, "groups": [g.group_id for g in groups],
-                "samples": sum(len(g.samples) for g in groups),
-                "reward_mean": float(np.mean(rewards)) if rewards else float("nan"), **m}
+        return self._train(step, self._share(rows) or [], {
+            "groups": [g.group_id for g in groups], "samples": sum(len(g.samples) for g in groups),
+            "reward_mean": float(np.mean(rewards)) if rewards else float("nan")})
 
     def consumed_steps(self, first: int = 0, last: int | None = None) -> dict[int, list[str]]:
         assert self.pool is not None
@@ -341,7 +343,10 @@ class LearnerDriver(WeightSource):
             mcore_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
         with self._lock:
             step = self.last_step
-            extra = {**extra, "step": step, "nonfinite_skipped_total": self.learner.nonfinite_skipped}
+            # The step's metrics too: when this step trained after the caller asked, the run may stop before the
+            # driver logs them, and resume starts after this step (Services._restore writes them back).
+            extra = {**extra, "step": step, "step_metrics": self.last_metrics,
+                     "nonfinite_skipped_total": self.learner.nonfinite_skipped}
             path = save_checkpoint(self.learner, root, extra=extra,
                                    keep_last=self.r.run.keep_checkpoints or None)
             return {"path": str(path), "step": step, "version": self.version}

@@ -180,6 +180,10 @@ class Services:
                             f"are not contiguous ({list(redo)[:10]}); the pool and checkpoints do not belong together")
         original = {m["step"]: m for m in read_jsonl(self.dir / "metrics.jsonl")}
         self.wall_offset = max((m.get("wall_time_s") or 0.0 for m in original.values()), default=0.0)
+        kept = (extra or {}).get("step_metrics") or {}
+        if ck_step >= 0 and ck_step not in original and kept.get("step") == ck_step:
+            # The checkpoint caught a step that trained while the last publish ran; the run stopped before logging it.
+            self.log.metrics(kept | {"from_checkpoint": True, "wall_time_s": self.wall_offset})
         for step, ids in redo.items():
             m = await self.learner.retrain.remote(step, ids, self.eta)
             was = original.get(step)
