@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.chdir(REPO)
 
-from streamrl.core.algorithms import offpolicy  # noqa: E402
+from streamrl.core import corrections  # noqa: E402
 from streamrl.recipe import RecipeError, load_recipe  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
@@ -162,7 +162,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "benchmark": "off_policy", "git": git_rev(), "recipe": a.recipe, "overrides": a.overrides, "steps": steps,
         "repeats": repeats, "max_staleness": a.max_staleness, "policy": "keep", "engines": a.engines, "pinned": pin,
-        "default": offpolicy.resolve("auto", a.max_staleness), "sft_s": sft_s,
+        "default": corrections.resolve("auto", a.max_staleness), "sft_s": sft_s,
         "options": {n: option_summary([r for r in runs if r["off_policy"] == n]) for n in names},
         "runs": runs, "work_dir": str(work)}
     out_dir = Path(a.out_dir)

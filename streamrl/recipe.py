@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from streamrl.core.algorithms import offpolicy
+from streamrl.core import corrections
 from streamrl.core.staleness import mode_bound
 from streamrl.core.types import ConsumptionPolicy, PartialRolloutPolicy
 
@@ -501,18 +501,18 @@ def _learner_conflicts(r: Recipe) -> list[tuple[str, str]]:
     """Off-policy keys set for a correction that does not read them, bands that are empty, and
     mini-batches that cannot each hold a whole group."""
     lc, out = r.learner, []
-    chosen = offpolicy.resolve(lc.off_policy, mode_bound(r.run.mode, r.staleness.max_staleness))
+    chosen = corrections.resolve(lc.off_policy, mode_bound(r.run.mode, r.staleness.max_staleness))
     why = "" if lc.off_policy != "auto" else f" (auto, for run.mode {r.run.mode}" + (
         f" with staleness.max_staleness {r.staleness.max_staleness})" if r.run.mode == "stream" else ")")
-    for key in offpolicy.DEFAULTS:
-        if getattr(lc, key) is None or key in offpolicy.USES[chosen]:
+    for key in corrections.DEFAULTS:
+        if getattr(lc, key) is None or key in corrections.USES[chosen]:
             continue
-        users = " or ".join(k for k, keys in offpolicy.USES.items() if key in keys)
+        users = " or ".join(k for k, keys in corrections.USES.items() if key in keys)
         out.append((f"learner.{key}", f"is read only by learner.off_policy {users}, but off_policy is {chosen!r}{why}; "
                                       "remove it or choose one of those"))
     if chosen == "mis" and lc.seq_ratio is not None and (lc.mis_level or "token") == "token":
         out.append(("learner.seq_ratio", "has no effect with learner.mis_level token; set mis_level: sequence or remove it"))
-    used = offpolicy.params(chosen, lc)
+    used = corrections.params(chosen, lc)
     for low, high in (("mis_low", "mis_high"), ("icepop_low", "icepop_high")):
         if low in used and not used[low] < used[high]:
             key = low if getattr(lc, low) is not None else high  # the one the recipe set
@@ -579,8 +579,8 @@ def learner_summary(r: Recipe) -> str:
     """One line: the off-policy correction the learner will apply (`auto` resolved, unset keys
     at their defaults) and its optimizer steps per claimed batch."""
     lc = r.learner
-    chosen = offpolicy.resolve(lc.off_policy, mode_bound(r.run.mode, r.staleness.max_staleness))
-    keys = ", ".join(f"{k} {v}" for k, v in offpolicy.params(chosen, lc).items())
+    chosen = corrections.resolve(lc.off_policy, mode_bound(r.run.mode, r.staleness.max_staleness))
+    keys = ", ".join(f"{k} {v}" for k, v in corrections.params(chosen, lc).items())
     auto = f" (auto, for run.mode {r.run.mode})" if lc.off_policy == "auto" else ""
     steps = lc.mini_batches * lc.epochs
     tp, pp, dp = learner_layout(r)

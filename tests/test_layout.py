@@ -156,3 +156,17 @@ def test_a_recipe_naming_the_old_examples_path_is_told_the_installed_one(tmp_pat
     assert r.returncode == 2, r.stderr
     assert "cannot import module 'recipes.envs.calculator'" in r.stderr
     assert "'streamrl.recipes.envs.calculator:solve'" in r.stderr
+
+
+def test_reading_a_recipe_does_not_import_torch() -> None:
+    """The CLI's pool/check commands and the rollout workers only read recipes: importing torch
+    would add about a second to each of them (streamrl/core/corrections.py keeps the recipe's
+    off-policy names out of the torch formulas)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, streamrl.recipe, streamrl.runtime.rollout, streamrl.pools.inspect; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 
+from streamrl.core import corrections
 from streamrl.core.algorithms import (
     LossInputs,
     RLConfig,
@@ -138,8 +139,8 @@ def test_a_missing_behaviour_or_unknown_option_is_an_error():
 
 
 def test_auto_resolves_by_the_staleness_bound_and_params_fill_defaults():
-    assert offpolicy.resolve("auto", 4) == offpolicy.STALE_DEFAULT != "none"
-    assert offpolicy.resolve("auto", 0) == "none" and offpolicy.resolve("icepop", 0) == "icepop"
+    assert corrections.resolve("auto", 4) == corrections.STALE_DEFAULT != "none"
+    assert corrections.resolve("auto", 0) == "none" and corrections.resolve("icepop", 0) == "icepop"
     cfg = RLConfig(off_policy="mis", mis_high=3.0)
     assert cfg.correction == {"mis_level": "token", "mis_low": 0.5, "mis_high": 3.0, "seq_ratio": "geometric"}
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from streamrl.core.algorithms.offpolicy import DEFAULTS, params, resolve
+from streamrl.core.corrections import DEFAULTS, params, resolve
 from streamrl.core.algorithms.losses import aggregate, entropy_bonus, kl_penalty, policy_loss
 
 
@@ -53,7 +53,7 @@ class RLConfig:
     def from_recipe(cls, learner: Any, temperature: float, staleness_bound: int = 0) -> RLConfig:
         """From a recipe's `learner:` section (streamrl.recipe.LearnerCfg), the rollout temperature
         and the run mode's staleness bound (core.staleness.mode_bound), which `off_policy: auto`
-        depends on. Keys left unset (None) take offpolicy.DEFAULTS."""
+        depends on. Keys left unset (None) take corrections.DEFAULTS."""
         kw = {f: getattr(learner, f) for f in cls.__dataclass_fields__ if f != "temperature" and hasattr(learner, f)}
         kw = {k: v for k, v in kw.items() if v is not None}
         kw["off_policy"] = resolve(learner.off_policy, staleness_bound)
