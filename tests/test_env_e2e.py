@@ -92,7 +92,7 @@ def test_a_function_calling_agent_is_trained_and_evaluated_on_its_task(tmp_path:
         "run.steps": 2, "reward": None, "rollout.max_new_tokens": 64, "learner.lr": 6.0e-4,
         "env": {"fn": "streamrl.recipes.envs.calculator:solve_tools", "args": {"stream": True}},
         "data.eval_path": str(data["eval"]), "data.eval_size": 4, "data.eval_samples": 1,
-        "sft": {"path": str(data["sft"]), "steps": 300, "lr": 3.0e-3, "batch_size": 32}})
+        "sft": {"path": str(data["sft"]), "steps": 120, "lr": 5.0e-3, "batch_size": 32}})
     run_recipe(recipe, run_dir)
     check_step_metrics(read_metrics(run_dir), 2)
     assert_ledger_balanced(run_dir)

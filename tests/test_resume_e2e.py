@@ -5,7 +5,8 @@ lost or trained on twice, and that groups saved as `partial` before the kill wer
 
 Moments: mid-broadcast (engines paused, new weights not yet pushed), mid-checkpoint (files
 written to the temporary directory, not yet renamed into place), and a random moment between
-steps, also with a tensor-parallel learner (two ranks, sharded checkpoints; replayed by one). The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/runtime/faultpoint.py),
+steps with a tensor-parallel learner (two ranks, sharded checkpoints; replayed by the same layout: the
+random kill of a one-process learner takes the same paths and was dropped to keep CI short). The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/runtime/faultpoint.py),
 so the kill lands exactly there.
 """
 
@@ -56,7 +57,7 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
 
 
 # publish:4 freezes in step 3's publish: the checkpoint "after step 2" usually holds step 3 (trained meanwhile).
-@pytest.mark.parametrize("moment", ["publish:4", "checkpoint.files:2", "random", "random-tp2", "sigint"])
+@pytest.mark.parametrize("moment", ["publish:4", "checkpoint.files:2", "random-tp2", "sigint"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str) -> None:
     run_dir = tmp_path / "run"
