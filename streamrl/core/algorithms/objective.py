@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from streamrl.core.corrections import DEFAULTS, params, resolve
 from streamrl.core.algorithms.losses import aggregate, entropy_bonus, kl_penalty, policy_loss
+from streamrl.core.corrections import DEFAULTS, params, resolve
 
 
 @dataclass

@@ -129,7 +129,7 @@ CORRECTIONS: dict[str, Callable[..., Correction]] = {
 
 def correct(off_policy: str, prox: torch.Tensor, behav: torch.Tensor | None, mask: torch.Tensor,
             **kw: Any) -> Correction:
-    """Apply the named correction (`none`, `tis`, ...) with its parameters `kw` (see `params`)."""
+    """Apply the named correction (`none`, `tis`, ...) with its parameters `kw` (see `corrections.params`)."""
     if off_policy not in CORRECTIONS:
         raise ValueError(f"unknown off-policy correction {off_policy!r} (one of {', '.join(CORRECTIONS)})")
     if off_policy != "none" and behav is None:
