@@ -9,6 +9,8 @@ import ast
 import importlib
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,9 +164,6 @@ def test_reading_a_recipe_does_not_import_torch() -> None:
     """The CLI's pool/check commands and the rollout workers only read recipes: importing torch
     would add about a second to each of them (streamrl/core/corrections.py keeps the recipe's
     off-policy names out of the torch formulas)."""
-    import subprocess
-    import sys
-
     code = ("import sys, streamrl.recipe, streamrl.runtime.rollout, streamrl.pools.inspect; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -275,12 +275,12 @@ class LearnerDriver(WeightSource):
         tokens = sum(len(r.response) for r in rows)
         with self._lock:
             stats = self.learner.rl_step(rows, self.cfg) if rows else {}
+            self._take_snapshot()  # a copy, laid out as the broadcast sends it
             train_s = time.perf_counter() - t0
             m = {"step": step, "policy_version": self.version, **(info or {}), "train_s": train_s,
                  "train_tokens": tokens, "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0, **stats}
             # Set with the weights, under the lock a checkpoint takes: a checkpoint of this step has its metrics.
             self.last_step, self.last_metrics = step, m
-            self._take_snapshot()  # a copy, laid out as the broadcast sends it
         return m
 
     def retrain(self, step: int, group_ids: list[str], max_staleness: int) -> dict[str, Any]:
