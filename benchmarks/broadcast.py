@@ -138,7 +138,7 @@ def reference_logprobs(model: Any, prompt: list[int], output: list[int]) -> list
     import torch
 
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + output])).logits[0]
+        logits = model(input_ids=torch.tensor([prompt + output], device=model.device)).logits[0].cpu()
     rows = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(output)].float(), -1)
     return rows[torch.arange(len(output)), torch.tensor(output)].tolist()
 
@@ -186,7 +186,7 @@ class Bench:
 
         model_dir = init_model_dir(self.work / preset / "model", preset, seed=0)
         tok = build_tokenizer()
-        models = [build_model(tok, preset, seed) for seed in (0, 1)]
+        models = [build_model(tok, preset, seed).to(self.args.device) for seed in (0, 1)]
         # As the learner holds its snapshot: a copy laid out for the broadcast (weight_sync.pack).
         states = [pack({k: v for k, v in m.state_dict().items() if k != "lm_head.weight"}) for m in models]
         model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
@@ -205,6 +205,7 @@ class Bench:
                 router = types.SimpleNamespace(workers=workers)  # all the broadcaster asks of the router
                 run_dir = self.work / preset / f"run-{n}"
                 bc = VersionBroadcaster(router, sender, "disk", "in_place", run_dir, RunLog(run_dir, echo=False))  # type: ignore[arg-type]
+                bc.backend = self.args.backend or bc.backend
                 out[f"engines_{n}"] = {p: await self.path(p, bc, sender, workers, check, states, model_bytes)
                                        for p in self.args.paths}
             return out
@@ -310,6 +311,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"paths, comma-separated (default {','.join(PATHS)})")
     ap.add_argument("--repeats", type=int, help="timed pushes per figure, each for push and pause (default 10, quick 3)")
     ap.add_argument("--memcopy-repeats", type=int, default=10, help="memory copies timed, best taken (default 10)")
+    ap.add_argument("--backend", choices=("gloo", "nccl"),
+                    help="the weight group's backend (default: nccl when torch sees a GPU, else gloo, as a run)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the sender (the learner) holds the weights (default cpu)")
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = ap.parse_args()
     args.presets = args.presets.split(",")
@@ -358,6 +363,7 @@ def main() -> None:
         "target_small_1_engine": target(presets.get("small", {}).get("engines_1", {})),
         **presets,
         "config": {"presets": args.presets, "engines": args.engines, "paths": args.paths, "repeats": args.repeats,
+                   "backend": args.backend or "auto", "device": args.device,
                    "load_per_engine": LOAD_PER_ENGINE, "engine_threads": 1, "pause_mode": "in_place"},
         "git": git_rev(),
         "machine": machine(load0, ("torch", "safetensors", "aiohttp")),

@@ -19,6 +19,10 @@ Stop strings follow SGLang (Req._check_str_based_finish): after each token the l
 first listed string found there, before the stop-token and length checks, whatever
 ignore_eos and min_new_tokens say.
 
+Device: the GPU when torch sees one (as SGLang), else the CPU; `device=` overrides. Per-request
+sampling generators stay on the CPU (a seeded request's tokens do not depend on the device's
+random state), so only one uniform per row crosses to the device each step.
+
 Log-probs follow SGLang: log_softmax(logits / temperature) of the sampled token (the raw
 logits when temperature is 0, i.e. greedy); top-p/top-k shape sampling, not the log-prob.
 Prompt log-probs (`input_logprob_start`) are log_softmax of the raw logits, as SGLang's
@@ -29,6 +33,7 @@ Long file: the scheduler, its batch cache and the sampling rules are one state m
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -84,11 +89,12 @@ class EngineCore:
 
     def __init__(self, model_dir: str | Path, max_running: int = 64, max_context: int | None = None,
                  weight_version: str = "0", seed: int = 0,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, device: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model_dir = str(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
         cfg = self.model.config
         self.eos_ids = frozenset([cfg.eos_token_id] if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id or [])
         self.max_context = max_context or cfg.max_position_embeddings
@@ -282,6 +288,7 @@ class EngineCore:
         for i, (x, n) in enumerate(zip(seqs, lens)):
             ids[i, lmax - n:] = torch.tensor(x)
             mask[i, lmax - n:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         want_input = [r.input_logprob_start is not None and r.input_logprobs is None for r in reqs]
         # logits for the last position only unless prompt log-probs are wanted: lm_head over
         # every position costs as much as the rest of a small model's prefill
@@ -299,7 +306,7 @@ class EngineCore:
             r.kv = kvs[i]
             if want:
                 r.input_logprobs = _input_logprobs(out.logits[i, lmax - lens[i]:], r)
-        self._sample_and_record(reqs, out.logits[:, -1, :][torch.tensor(row_of)])
+        self._sample_and_record(reqs, out.logits[:, -1, :][torch.tensor(row_of, device=self.device)])
         self._running.extend(r for r in reqs if r.finish is None)
 
     def _rebatch(self) -> None:
@@ -316,7 +323,7 @@ class EngineCore:
         for li in range(n_layers):
             ks, vs = [], []
             if kept:
-                idx = torch.tensor([row[id(r)] for r in kept])
+                idx = torch.tensor([row[id(r)] for r in kept], device=self.device)
                 k, v = self._cache[li].keys, self._cache[li].values
                 cut = k.shape[2] - max(kept_lens)  # columns no kept row uses
                 ks.append(_left_pad(k.index_select(0, idx)[:, :, cut:], lmax))
@@ -345,9 +352,9 @@ class EngineCore:
         for i, n in enumerate(lens):
             mask[i, lmax - n:] = 1
         out = self.model(
-            input_ids=torch.tensor([[r.output_ids[-1]] for r in batch]),
-            attention_mask=mask,
-            position_ids=torch.tensor([[n] for n in lens]),
+            input_ids=torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=torch.tensor([[n] for n in lens], device=self.device),
             past_key_values=Cache(layers=self._cache),  # written in place (_GrowingLayer)
             use_cache=True,
         )
@@ -449,7 +456,7 @@ def _input_logprobs(logits: torch.Tensor, r: GenRequest) -> list[float | None]:
     if start >= n:
         return []
     rows = logits[start: n - 1].float()  # position p predicts token p + 1
-    toks = torch.tensor(r.input_ids[start + 1: n])
+    toks = torch.tensor(r.input_ids[start + 1: n], device=rows.device)
     return [None, *torch.log_softmax(rows, -1).gather(-1, toks[:, None])[:, 0].tolist()]
 
 
@@ -468,31 +475,31 @@ def _pick_many(logits: torch.Tensor, reqs: list[GenRequest]) -> list[tuple[int, 
     against 2.7 ms of forward). Other rows, and a row whose numbers are not finite, go to `_pick`
     (which raises for the latter: that request fails alone)."""
     out: list[tuple[int, float] | Exception | None] = [None] * len(reqs)
-    vocab = logits.shape[-1]
+    vocab, dev = logits.shape[-1], logits.device
     greedy = [i for i, r in enumerate(reqs) if r.temperature == 0]
     plain = [i for i, r in enumerate(reqs) if r.temperature > 0 and not 0 < r.top_k < vocab and r.top_p >= 1.0]
     if greedy:
-        rows = logits[torch.tensor(greedy)]
+        rows = logits[torch.tensor(greedy, device=dev)]
         tok = rows.argmax(-1)
         lp = torch.log_softmax(rows, -1).gather(1, tok[:, None])[:, 0]
-        for k, i in enumerate(greedy):
-            if torch.isfinite(lp[k]):
-                out[i] = (int(tok[k]), float(lp[k]))
+        for i, t, x in zip(greedy, tok.tolist(), lp.tolist()):  # one device-to-host copy each
+            if math.isfinite(x):
+                out[i] = (t, x)
     if plain:
-        temps = torch.tensor([reqs[i].temperature for i in plain], dtype=logits.dtype)
-        logp = torch.log_softmax(logits[torch.tensor(plain)] / temps[:, None], -1)
+        temps = torch.tensor([reqs[i].temperature for i in plain], dtype=logits.dtype, device=dev)
+        logp = torch.log_softmax(logits[torch.tensor(plain, device=dev)] / temps[:, None], -1)
         cdf = logp.exp().cumsum(-1)
-        u = torch.cat([torch.rand(1, generator=reqs[i].generator) for i in plain])
+        u = torch.cat([torch.rand(1, generator=reqs[i].generator) for i in plain]).to(dev, logits.dtype)
         tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
         lp = logp.gather(1, tok[:, None])[:, 0]
         ok = torch.isfinite(lp) & torch.isfinite(cdf[:, -1])  # a finite log-prob: never a token of probability 0
-        for k, i in enumerate(plain):
-            if ok[k]:
-                out[i] = (int(tok[k]), float(lp[k]))
+        for i, t, x, good in zip(plain, tok.tolist(), lp.tolist(), ok.tolist()):
+            if good:
+                out[i] = (t, x)
     for i, r in enumerate(reqs):
         if out[i] is None:
             try:
-                out[i] = _pick(logits[i], r)
+                out[i] = _pick(logits[i].cpu(), r)  # the CPU, where the request's generator is
             except (RuntimeError, ValueError) as e:
                 out[i] = e
     return out  # type: ignore[return-value]

@@ -121,8 +121,7 @@ class EngineServer:
         self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
         self._groups: list[Any] = []  # weight-update groups, one per TP rank (rank_offset + tp_rank)
         self._session = False  # SGLang's weight-update session (/begin_weight_update .. /end_weight_update)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._recv_bufs = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(tp)]
+        self._recv_bufs = [torch.empty(0, dtype=torch.uint8, device=self.core.device) for _ in range(tp)]
         self.app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._guard, self._errors])
         r = self.app.router
         r.add_post("/generate", self.generate)
@@ -502,7 +501,7 @@ class EngineServer:
             "context_length": self.core.max_context, "max_running_requests": self.core.max_running,
             "max_total_num_tokens": self.core.max_running * self.core.max_context,
             "weight_version": self.core.weight_version, "version": "streamrl-embedded", "tp_size": self.tp,
-            "device": "cpu" if not torch.cuda.is_available() else "cuda",
+            "device": self.core.device.type,
             "internal_states": [{"paused": self.core.paused, "num_requests": self.core.num_requests}],
         })
 

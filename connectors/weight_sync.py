@@ -171,8 +171,9 @@ def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[i
     """Engine side: receive the tensors announced by `names/dtypes/shapes`: one broadcast each,
     or (load_format BUCKET_FORMAT) one broadcast of them all, into `buf` (uint8, resized to fit;
     reusing one saves faulting in fresh pages on every update) or a new buffer. The tensors
-    returned are views into it: done with them before `buf` is used again."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    returned are views into it: done with them before `buf` is used again. They land on `buf`'s
+    device (the engine's), else the GPU when there is one."""
+    device = buf.device if buf is not None else "cuda" if torch.cuda.is_available() else "cpu"
     if load_format == BUCKET_FORMAT:
         total = sum(math.prod(s) * _dtype(n, d).itemsize for n, d, s in zip(names, dtypes, shapes))
         buf = torch.empty(total, dtype=torch.uint8, device=device) if buf is None else buf.resize_(total)

@@ -92,6 +92,28 @@ def test_group_of_n_costs_one_prefill(model_dirs, ref0):
     assert core.prefill_tokens == 8 * len(p)
 
 
+def test_engine_on_the_gpu_gives_the_cpus_tokens(model_dirs):
+    """The engine runs on the GPU when torch sees one: greedy and seeded samples there are the
+    CPU's tokens (seeded generators stay on the CPU), log-probs within fp32 noise."""
+    import torch
+
+    from streamrl.connectors.engine_core import EngineCore, GenRequest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    runs = {}
+    for device in ("cpu", "cuda"):
+        core = EngineCore(model_dirs[0], max_running=16, device=device)
+        assert next(core.model.parameters()).device.type == device
+        reqs = [GenRequest(rid=f"r{j}", input_ids=prompt(j, 9), max_new_tokens=12, ignore_eos=True,
+                           temperature=0.0 if j % 2 else 1.0, sampling_seed=j) for j in range(8)]
+        _run_core(core, reqs)
+        runs[device] = reqs
+    for a, b in zip(runs["cpu"], runs["cuda"]):
+        assert a.output_ids == b.output_ids, a.rid
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
+
+
 def test_group_larger_than_free_slots_is_prefilled_per_admission(model_dirs, ref0):
     """A group bigger than max_running is admitted as slots free up: each admission turn
     prefills its part once, and every sample is still right."""

@@ -111,7 +111,7 @@ def test_engine_commands() -> None:
     import json
     import sys
 
-    from streamrl.connectors.engine_actor import engine_command
+    from streamrl.connectors.engine_process import engine_command
 
     emb = engine_command("embedded", "/m", 1234, weight_version="3", engine_kwargs={"max_running": 8},
                          parent_pid=42)

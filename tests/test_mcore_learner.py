@@ -102,7 +102,7 @@ BATCH = """
         h = hashlib.sha256()
         for k, v in sorted(learner.model.state_dict().items()):
             if isinstance(v, torch.Tensor):
-                h.update(k.encode()); h.update(v.detach().contiguous().numpy().tobytes())
+                h.update(k.encode()); h.update(v.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 """
 

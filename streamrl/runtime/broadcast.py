@@ -44,6 +44,13 @@ class _UseDisk(Exception):
     pass
 
 
+def _default_backend() -> str:
+    """NCCL between GPUs (SGLang's default for /init_weights_update_group), gloo on CPU."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 class VersionBroadcaster:
     def __init__(self, router: Router, learner: Any, weight_sync: str, policy: str, run_dir: Path, log: RunLog,
                  host: str = "127.0.0.1", keep_weights: int = 2, tp: int = 1) -> None:
@@ -57,6 +64,7 @@ class VersionBroadcaster:
         self.version = 0
         self.history: list[dict[str, Any]] = []
         self.bucketed = True  # distributed: weight_sync's buckets (SGLang's flattened_bucket)
+        self.backend = _default_backend()  # distributed: the weight group's (benchmarks/broadcast.py may set gloo)
 
     async def _ensure_group(self) -> None:
         urls = tuple(sorted(self.router.workers))
@@ -67,19 +75,13 @@ class VersionBroadcaster:
         group = weight_group([self.tp] * len(urls))
         await self.learner.drop_weight_group.remote()
         port = await self.learner.open_weight_store.remote(self.host, group.world_size)
-        init = self.learner.init_weight_group.remote(group.world_size, name)
+        init = self.learner.init_weight_group.remote(group.world_size, name, self.backend)
         await asyncio.gather(init, *(self.router.workers[u].init_weights_update_group(
-            self.host, port, group.rank_offsets[i], group.world_size, name, "nccl" if self._meta_is_cuda() else "gloo")
+            self.host, port, group.rank_offsets[i], group.world_size, name, self.backend)
             for i, u in enumerate(urls)))
         self._group_urls, self._group_name = urls, name
         if self._meta is None:
             self._meta = await self.learner.weights_meta.remote()
-
-    @staticmethod
-    def _meta_is_cuda() -> bool:
-        import torch
-
-        return torch.cuda.is_available()
 
     async def _push_distributed(self, version: int, flush: bool) -> None:
         from streamrl.connectors.weight_sync import BUCKET_FORMAT, plan_buckets

@@ -114,13 +114,12 @@ class WeightSource:
         self._store = open_store(world_size, host)
         return int(self._store.port)
 
-    def init_weight_group(self, world_size: int, group_name: str) -> None:
+    def init_weight_group(self, world_size: int, group_name: str, backend: str) -> None:
         """Second half: rank 0 of the group (returns once every engine has joined)."""
         from streamrl.connectors.weight_sync import create_group
 
         assert self._store is not None, "open_weight_store first"
-        self._group = create_group(self._store, world_size, group_name,
-                                   backend="nccl" if torch.cuda.is_available() else "gloo")
+        self._group = create_group(self._store, world_size, group_name, backend=backend)
 
     def drop_weight_group(self) -> None:
         self._group = self._store = None
