@@ -20,7 +20,7 @@ from streamrl.pools.base import ExperiencePool, PoolError
 if TYPE_CHECKING:
     from streamrl.pools.lance_pool import LancePool
 
-__all__ = ["ExperiencePool", "LancePool", "PoolError", "open_pool", "resolve_pool_uri"]
+__all__ = ["ExperiencePool", "LancePool", "PoolError", "open_pool", "resolve_pool", "resolve_pool_uri"]
 
 
 def __getattr__(name: str) -> Any:
@@ -33,15 +33,43 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'pools' has no attribute {name!r}")
 
 
-def resolve_pool_uri(run_dir_or_uri: str) -> str:
-    """A run directory means its pool/ subdirectory; anything else is taken as a LanceDB URI."""
+RECORDED_RECIPE = "recipe.yaml"  # what a run directory records (streamrl/runtime/run.py: RECIPE)
+
+
+def resolve_pool(run_dir_or_uri: str) -> tuple[str, dict[str, str]]:
+    """(URI, storage options) of a pool. A run directory means the pool its recorded recipe names
+    (`pool.uri`, e.g. on S3, with `pool.storage_options`), else its pool/ subdirectory; anything
+    else is taken as a LanceDB URI (object-store settings then come from the environment)."""
     p = Path(run_dir_or_uri)
-    if "://" not in run_dir_or_uri and (p / "pool").is_dir():
-        return str(p / "pool")
-    return run_dir_or_uri
+    if "://" not in run_dir_or_uri:
+        recorded = _recorded_pool(p / RECORDED_RECIPE)
+        if recorded is not None:
+            return recorded
+        if (p / "pool").is_dir():
+            return str(p / "pool"), {}
+    return run_dir_or_uri, {}
 
 
-def open_pool(run_dir_or_uri: str, *, create: bool = False, **kwargs: object) -> LancePool:
+def _recorded_pool(recipe_file: Path) -> tuple[str, dict[str, str]] | None:
+    import yaml
+
+    try:
+        data = yaml.safe_load(recipe_file.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    pool = data.get("pool") if isinstance(data, dict) else None
+    if not isinstance(pool, dict) or not pool.get("uri"):
+        return None
+    return str(pool["uri"]), {str(k): str(v) for k, v in (pool.get("storage_options") or {}).items()}
+
+
+def resolve_pool_uri(run_dir_or_uri: str) -> str:
+    return resolve_pool(run_dir_or_uri)[0]
+
+
+def open_pool(run_dir_or_uri: str, *, create: bool = False, **kwargs: Any) -> LancePool:
     from streamrl.pools.lance_pool import LancePool
 
-    return LancePool(resolve_pool_uri(run_dir_or_uri), create=create, **kwargs)  # type: ignore[arg-type]
+    uri, options = resolve_pool(run_dir_or_uri)
+    options = {**options, **kwargs.pop("storage_options", {})}
+    return LancePool(uri, create=create, storage_options=options, **kwargs)

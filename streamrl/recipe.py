@@ -189,7 +189,10 @@ class ProducerApiCfg(_Cfg):
 
 
 class PoolCfg(_Cfg):
-    uri: str | None = None  # default <run dir>/pool; any LanceDB URI
+    uri: str | None = None  # default <run dir>/pool; any LanceDB URI, e.g. s3://bucket/prefix/pool
+    # object-store settings for uri (Lance's names: aws_endpoint, aws_region, allow_http, ...);
+    # credentials come from the environment (AWS_ACCESS_KEY_ID, ...), never from the recipe
+    storage_options: dict[str, str] = {}
     commit_max_rows: PosInt = 8192
     commit_linger_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     compact_every: NonNegInt = 64  # compact once this many small fragments accumulate; 0 = never
@@ -363,6 +366,7 @@ _ERR_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 def _explain(err: msgspec.ValidationError, where: str, lines: dict[str, int], origin: dict[str, str]) -> str:
     m = _ERR_PATH.match(str(err))
     msg, path = m.group("msg"), (m.group("path") or "").lstrip(".")
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)  # a mapping's key (storage_options['x']) as a dotted key
     field = re.search(r"(?:unknown|missing required) field `([^`]+)`", msg)
     if field:
         path = f"{path}.{field.group(1)}" if path else field.group(1)
@@ -374,6 +378,8 @@ def _explain(err: msgspec.ValidationError, where: str, lines: dict[str, int], or
         msg = "must be a dotted function path like `mypkg.rewards:score`"
     elif msg.startswith("Invalid enum value"):
         msg += f"; choose one of {', '.join(map(repr, _choices(path)))}"
+    elif msg.startswith("Expected `str`, got"):
+        msg += " (quote it: YAML reads true, 1 or 1.5 unquoted as another type)"
     return f"{_locate(where, path, lines, origin)}: {path or '<top level>'}: {msg}"
 
 
@@ -394,7 +400,10 @@ def _locate(where: str, path: str, lines: dict[str, int], origin: dict[str, str]
             return f"override {ov!r}"
     probe = path
     while probe and probe not in lines:  # the nearest enclosing key that is in the file
-        probe = re.sub(r"(^|\.)[^.\[]+$|\[\d+\]$", "", probe)
+        shorter = re.sub(r"(^|\.)[^.\[]+$|\[[^\]]*\]$", "", probe)
+        if shorter == probe:  # nothing left to strip (never loop forever on an odd path)
+            break
+        probe = shorter
     return f"{where}:{lines.get(probe, 1)}"
 
 
@@ -479,6 +488,9 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
     return recipe
 
 
+SECRET_WORDS = ("secret", "token", "password", "access_key_id", "account_key", "service_account_key", "sas_key")
+
+
 def _conflicts(r: Recipe) -> list[tuple[str, str]]:
     """(key path, problem) for settings that are valid alone but not together."""
     out = []
@@ -489,6 +501,11 @@ def _conflicts(r: Recipe) -> list[tuple[str, str]]:
         out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
                                             "the other modes generate each batch with the rollout workers"))
     out += _learner_conflicts(r)
+    for key in r.pool.storage_options:
+        if any(w in key.lower() for w in SECRET_WORDS):
+            out.append((f"pool.storage_options.{key}", "credentials do not belong in a recipe (it is copied into the "
+                        "run directory and sent to every node); set them in the environment of the driver and of "
+                        f"every Ray node instead (for S3: {key.upper()})"))
     for name in ("learner", "engines"):
         for res in getattr(r.placement, name).resources:
             if res in ("CPU", "GPU", "memory", "object_store_memory"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -96,3 +97,26 @@ def router_proc(engines):
     yield router
     router.stop()
     assert not [p for p in pids if pid_alive(p)], f"sglang-router processes {pids} still alive after stop()"
+
+
+# ---------------------------------------------------------------- object storage (tests/s3kit.py)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A local S3-compatible server (moto) with one bucket, started once per session. Its endpoint
+    and credentials are in this process's environment while it runs (children inherit them), as a
+    user sets them for a cluster; tests that want the recipe's route pass storage_options too."""
+    from s3kit import start_s3
+
+    server = start_s3(tmp_path_factory.mktemp("s3") / "moto.log")
+    env = {**server.env, "AWS_ENDPOINT": server.url, "AWS_ALLOW_HTTP": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield server
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()

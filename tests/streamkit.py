@@ -295,9 +295,10 @@ def run_log(run_dir: Path) -> str:
 
 
 def open_pool(run_dir: Path) -> Any:
-    from streamrl.pools import LancePool
+    """The run's pool: its pool/ directory, or the pool.uri its recorded recipe names (S3)."""
+    from streamrl.pools import open_pool as open_run_pool
 
-    return LancePool(run_dir / "pool", create=False)
+    return open_run_pool(str(run_dir))
 
 
 def pool_rows(run_dir: Path, columns: list[str] | None = None, where: str | None = None,

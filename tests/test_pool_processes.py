@@ -97,8 +97,10 @@ def _finish(proc, timeout: float) -> tuple[str, str]:
 # ---------------------------------------------------------------- (1) two producers + a claimer
 
 
-def test_two_producer_processes_and_a_claimer_process(tmp_path: Path):
-    uri = tmp_path / "run" / "pool"
+@pytest.mark.parametrize("store", ["disk", "s3"])
+def test_two_producer_processes_and_a_claimer_process(tmp_path: Path, store: str, request):
+    """On S3 the processes meet only through Lance's commits (conditional writes): the same rules hold."""
+    uri = tmp_path / "run" / "pool" if store == "disk" else request.getfixturevalue("s3_server").new_uri()
     LancePool(uri).close()  # create the tables before the children race to open them
     per_producer, n, per_step = 40, 3, 4
     total = 2 * per_producer

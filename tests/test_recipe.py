@@ -408,6 +408,20 @@ def test_cli_check_bad_override_exits_2():
     assert p.stdout == ""
 
 
+@pytest.mark.parametrize("section, line, fragment", [
+    ("placement:\n  engines:\n    resources: {trainer: -1}\n", 7, "Expected `float` > 0.0"),
+    ("pool:\n  uri: s3://b/p\n  storage_options:\n    allow_http: true\n", 7, "quote it"),
+])
+def test_cli_check_a_bad_value_in_a_mapping_exits_2(tmp_path, section, line, fragment):
+    """A bad value under a mapping key (msgspec's path ends in [...]) is located at its section;
+    it once sent the locator into an endless loop, and `streamrl check` / `run` hung."""
+    path = tmp_path / "r.yaml"
+    path.write_text(MINIMAL + section)
+    p = _check(str(path))
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert f"{path}:{line}:" in p.stderr and fragment in p.stderr, p.stderr
+
+
 def test_cli_check_missing_file_exits_2(tmp_path):
     p = _check(str(tmp_path / "absent.yaml"))
     assert p.returncode == 2, (p.returncode, p.stderr)

@@ -57,10 +57,16 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
 
 
 # publish:4 freezes in step 3's publish: the checkpoint "after step 2" usually holds step 3 (trained meanwhile).
-@pytest.mark.parametrize("moment", ["publish:4", "checkpoint.files:2", "random-tp2", "sigint"])
+# publish:4-s3: the same with the pool on a local S3-compatible server (tests/s3kit.py, issue 17).
+@pytest.mark.parametrize("moment", ["publish:4", "checkpoint.files:2", "random-tp2", "sigint", "publish:4-s3"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
-                                       moment: str) -> None:
+                                       moment: str, request: pytest.FixtureRequest) -> None:
     run_dir = tmp_path / "run"
+    s3 = {}
+    if moment.endswith("-s3"):
+        server = request.getfixturevalue("s3_server")  # credentials in the environment, the endpoint in the recipe
+        s3 = {"pool.uri": server.new_uri(), "pool.storage_options": server.storage_options}
+        moment = moment.removesuffix("-s3")
     recipe = write_recipe(tmp_path, tiny_model, task_data["train"], {
         "run.steps": STEPS, "run.checkpoint_every": EVERY, "run.keep_checkpoints": 0,
         # Long responses and an engine that decodes 2 at a time: generation is several times slower
@@ -68,7 +74,7 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         # (partial groups). With 48 tokens and 4 at a time, generation sometimes ran a step ahead
         # and a publish found nothing in flight.
         "rollout.max_new_tokens": 64, "rollout.groups_per_step": 3, "engines.max_running": 2,
-        "engines.weight_sync": "distributed", **({"learner.parallel.tp": 2} if moment.endswith("tp2") else {})})
+        "engines.weight_sync": "distributed", **({"learner.parallel.tp": 2} if moment.endswith("tp2") else {}), **s3})
     env = {} if moment.startswith("random") or moment == "sigint" else {"STREAMRL_FREEZE_AT": moment}
     proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
     if moment == "sigint":
@@ -127,6 +133,11 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     assert "differ slightly" not in run_log(run_dir), "re-training after the checkpoint must give the same losses"
 
     stats = assert_ledger_balanced(run_dir)  # `streamrl pool stats --json`
+    if s3:
+        assert stats["uri"] == s3["pool.uri"] and not (run_dir / "pool").exists(), stats["uri"]
+        q = run_streamrl(["pool", "query", str(run_dir), "SELECT count(DISTINCT group_id) AS n FROM pool "
+                          "WHERE status = 'consumed'", "--json"])
+        assert json.loads(q.stdout) == [{"n": STEPS * 3}], q.stdout
     ledger = stats["ledger"]
     assert ledger["lost"] == 0 and ledger["duplicated"] == 0 and ledger["unadmitted"] == 0, ledger
     assert ledger["in_flight"] == 0 and ledger["partial"] == 0, ledger

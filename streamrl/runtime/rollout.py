@@ -67,7 +67,8 @@ class RolloutWorker:
         self._admitted_state = self.source.state()  # where the source stood after the last admission
         self._known: set[str] = set()  # groups admitted before a resume: their prompts are not drawn again
         self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path)
-        self.pool = LancePool(recipe.pool_uri, commit_max_rows=recipe.pool.commit_max_rows,
+        self.pool = LancePool(recipe.pool_uri, storage_options=recipe.pool.storage_options,
+                              commit_max_rows=recipe.pool.commit_max_rows,
                               commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0)
         self.client = SGLangClient(router_url, connect_retries=2, keys=Keys(api=api_key))  # generation only
         self.log = RunLog(recipe.run_dir, echo=False)

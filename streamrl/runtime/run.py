@@ -169,12 +169,30 @@ def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True, ove
     """A new run (see `new_run_dir` for where; an existing run is never replaced silently)."""
     import msgspec
 
+    if r.pool.uri:
+        _refuse_a_used_pool(r)
     d = new_run_dir(r, run_dir, overwrite)
     r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, dir=str(d)))
     from streamrl.recipe import dump_recipe
 
     (d / RECIPE).write_text(dump_recipe(r))
     return _run(r, d, progress, resume=False)
+
+
+def _refuse_a_used_pool(r: Recipe) -> None:
+    """A new run never writes into another run's pool: `pool.uri` (an object store, or a path
+    outside the run directory) must name no pool or an empty one; --overwrite never deletes it."""
+    from streamrl.pools import LancePool, PoolError
+
+    try:
+        with LancePool(r.pool.uri, create=False, storage_options=r.pool.storage_options) as pool:  # type: ignore[arg-type]
+            rows = pool.count()
+    except PoolError:
+        return
+    if rows:
+        raise RunExists(f"pool.uri {r.pool.uri} already holds an experience pool ({rows} rows) of another run: give "
+                        "this run a new pool.uri, or continue that run with `streamrl run --resume RUN_DIR` "
+                        "(--overwrite never deletes a pool outside the run directory)")
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True) -> dict[str, Any]:

@@ -100,10 +100,12 @@ def _eval_point(r: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _pool_stats(run_dir: Path, notes: list[str]) -> dict[str, Any] | None:
-    if not (run_dir / "pool").is_dir():
+    from streamrl.pools import PoolError, open_pool, resolve_pool
+
+    uri = resolve_pool(str(run_dir))[0]
+    if "://" not in uri and not (Path(uri) / "pool.lance").is_dir():
         notes.append("no experience pool (pool/): staleness from metrics.jsonl, no ledger or failed groups")
         return None
-    from streamrl.pools import PoolError, open_pool
     from streamrl.pools.inspect import pool_stats
 
     try:
