@@ -36,6 +36,7 @@ from streamrl.connectors.auth import Keys, write_private
 from streamrl.connectors.engine_process import engine_command
 from streamrl.connectors.ports import (
     PortTaken,
+    bind_host,
     held_by,
     listen_socket,
     port_of,
@@ -78,7 +79,7 @@ class EngineActor:
         environment (embedded) or a 0600 `--config` file beside its log (SGLang), never argv."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.index, self.model_dir, self.host = index, str(model_dir), host
+        self.index, self.model_dir, self.host = index, str(model_dir), bind_host(host)  # on the engine's node
         self.requested_backend = backend
         self.weight_version, self.tp = str(weight_version), int(tp)
         self.extra_args = [str(a) for a in extra_args]

@@ -58,6 +58,18 @@ def says_address_in_use(text: str) -> bool:
     return any(t in low for t in ADDRESS_IN_USE_TEXT)
 
 
+NODE = "node"  # a bind address resolved where the server runs: its Ray node's cluster address (recipe network.bind)
+
+
+def bind_host(host: str) -> str:
+    """`host`, or for NODE this process's node address as Ray sees it (the address other nodes reach)."""
+    if host != NODE:
+        return host
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
+
+
 def start_on_free_port(start: Callable[[int], T], host: str = LOOPBACK, attempts: int = 8) -> T:
     """Call `start(port)` with a fresh free port until it does not raise `PortTaken`."""
     last: PortTaken | None = None

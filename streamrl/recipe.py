@@ -188,6 +188,13 @@ class ProducerApiCfg(_Cfg):
     lease_s: PosFloat = 120.0  # a lease's unused slots return to the capacity after this long (a dead producer's too)
 
 
+class NetworkCfg(_Cfg):
+    # loopback: every server on 127.0.0.1 (one machine). node: the engines, the router, the producer
+    # API and the weight group's store bind their own node's cluster address (Ray's node IP), so
+    # other nodes reach them; never 0.0.0.0, and the run's API keys are still required
+    bind: Literal["loopback", "node"] = "loopback"
+
+
 class PoolCfg(_Cfg):
     uri: str | None = None  # default <run dir>/pool; any LanceDB URI, e.g. s3://bucket/prefix/pool
     # object-store settings for uri (Lance's names: aws_endpoint, aws_region, allow_http, ...);
@@ -277,6 +284,7 @@ class Recipe(_Cfg):
     env: FnRef | None = None
     producer_api: ProducerApiCfg = msgspec.field(default_factory=ProducerApiCfg)
     pool: PoolCfg = msgspec.field(default_factory=PoolCfg)
+    network: NetworkCfg = msgspec.field(default_factory=NetworkCfg)
     learner: LearnerCfg = msgspec.field(default_factory=LearnerCfg)
     engines: EnginesCfg = msgspec.field(default_factory=EnginesCfg)
     sft: SftCfg | None = None
@@ -501,6 +509,11 @@ def _conflicts(r: Recipe) -> list[tuple[str, str]]:
         out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
                                             "the other modes generate each batch with the rollout workers"))
     out += _learner_conflicts(r)
+    if r.network.bind == "node":
+        for key, host in (("engines.host", r.engines.host), ("producer_api.host", r.producer_api.host)):
+            if host != "127.0.0.1":
+                out.append((key, f"is {host!r} and network.bind is node, which binds each node's cluster address: "
+                                 "set one of the two"))
     for key in r.pool.storage_options:
         if any(w in key.lower() for w in SECRET_WORDS):
             out.append((f"pool.storage_options.{key}", "credentials do not belong in a recipe (it is copied into the "

@@ -78,6 +78,27 @@ print(json.dumps({k: sorted(v) for k, v in ran.items()}))
 """
 
 
+def _unauthenticated_generate(run: Path, proc: subprocess.Popen[bytes]) -> int | None:
+    """Once the run has written its router's URL: the status of a /generate sent there without the key."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 300
+    while not (run / "endpoints.json").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+    url = json.loads((run / "endpoints.json").read_text())["router_url"]
+    req = urllib.request.Request(url + "/generate", data=b'{"text": "1+1=", "sampling_params": {"max_new_tokens": 1}}',
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 @pytest.mark.slow
 def test_a_run_on_a_two_node_cluster_places_learner_and_engines_and_ships_a_reward(tmp_path: Path) -> None:
     """Two Ray nodes on this machine (`ray start --head` + `ray start --address`), told apart by
@@ -94,9 +115,11 @@ def test_a_run_on_a_two_node_cluster_places_learner_and_engines_and_ships_a_rewa
                             "{gpu_box: 1}", "--run-dir", str(tmp_path / "refused"), "--quiet"], check=False)
         assert res.returncode == 2, res.stderr[-3000:]
         assert "placement: the run needs gpu_box 2 in all (the engines 1, the rollout workers 1)" in res.stderr
-        # from the repository (the cwd is on the workers' path, the recipe's directory is not)
-        proc = start_streamrl(["run", str(recipe), *inputs, *place, f"ray.address={address}", "--run-dir", str(run),
-                               "--quiet"], tmp_path / "io")
+        # from the repository (the cwd is on the workers' path, the recipe's directory is not);
+        # network.bind node: the servers bind the node's cluster address, still behind the run's keys
+        proc = start_streamrl(["run", str(recipe), *inputs, *place, f"ray.address={address}", "network.bind=node",
+                               "--run-dir", str(run), "--quiet"], tmp_path / "io")
+        refused = _unauthenticated_generate(run, proc)
         finish_streamrl(proc, tmp_path / "io", run_dir=run)
         where = subprocess.run([sys.executable, "-c", WHERE, address], capture_output=True, text=True, timeout=120,
                                env={**os.environ, "RAY_AUTH_MODE": "disabled"}, cwd="/")
@@ -105,6 +128,10 @@ def test_a_run_on_a_two_node_cluster_places_learner_and_engines_and_ships_a_rewa
     assert ran["_Rank"] == ["trainer"] and ran["EngineActor"] == ["rollout"] and ran["_ActorWorker"] == ["rollout"], ran
     log = (run / "run.log").read_text()
     assert f"joined the cluster at {address}" in log, log[:2000]
+    node_ip = address.rpartition(":")[0]  # ray_head's address: the head's node IP (both nodes share it here)
+    assert node_ip not in ("127.0.0.1", "0.0.0.0", "localhost"), address
+    assert f"sglang-router at http://{node_ip}:" in log and f"engines at http://{node_ip}:" in log, log[:3000]
+    assert refused == 401, refused  # the router on the node address wants the run's API key
     assert f"shipping your modules to every Ray worker: {(recipe.parent / 'my_reward.py').resolve()}" in log
     assert assert_ledger_balanced(run)["ledger"]["consumed"] == 4 * 4
     means = {v["mean_reward"] for v in pool_stats(run)["reward_by_version"]}

@@ -112,7 +112,7 @@ def serve(run_dir: str | Path, host: str | None = None, port: int | None = None,
 
 
 def start_service_process(run_dir: str | Path, cwd: str | Path, log_path: str | Path,
-                          timeout_s: float = 60) -> tuple[subprocess.Popen[bytes], str]:
+                          timeout_s: float = 60, host: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start `python -m streamrl produce serve RUN_DIR --quiet` in `cwd` (the run's working directory:
     recipe paths are relative to it), dying with its parent; return it and its URL once /health answers."""
     from streamrl.connectors.router import _die_with_parent
@@ -120,7 +120,7 @@ def start_service_process(run_dir: str | Path, cwd: str | Path, log_path: str | 
     cwd, log_path = Path(cwd), Path(log_path)
     rd = Path(run_dir) if Path(run_dir).is_absolute() else cwd / run_dir
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "streamrl", "produce", "serve", str(run_dir), "--quiet"]
+    cmd = [sys.executable, "-m", "streamrl", "produce", "serve", str(run_dir), "--quiet", *(["--host", host] if host else [])]
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent)

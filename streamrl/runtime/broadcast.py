@@ -74,10 +74,10 @@ class VersionBroadcaster:
         name = f"streamrl-weights-{self._group_gen}"
         group = weight_group([self.tp] * len(urls))
         await self.learner.drop_weight_group.remote()
-        port = await self.learner.open_weight_store.remote(self.host, group.world_size)
+        host, port = await self.learner.open_weight_store.remote(self.host, group.world_size)
         init = self.learner.init_weight_group.remote(group.world_size, name, self.backend)
         await asyncio.gather(init, *(self.router.workers[u].init_weights_update_group(
-            self.host, port, group.rank_offsets[i], group.world_size, name, self.backend)
+            host, port, group.rank_offsets[i], group.world_size, name, self.backend)
             for i, u in enumerate(urls)))
         self._group_urls, self._group_name = urls, name
         if self._meta is None:

@@ -107,12 +107,15 @@ class WeightSource:
         state = self.hf_state_dict()
         return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
 
-    def open_weight_store(self, host: str, world_size: int) -> int:
-        """First half of forming the weight group: its store, served here; returns its port."""
+    def open_weight_store(self, host: str, world_size: int) -> tuple[str, int]:
+        """First half of forming the weight group: its store, served here on `host` (ports.NODE:
+        this node's cluster address); returns the address and port engines join at."""
+        from streamrl.connectors.ports import bind_host
         from streamrl.connectors.weight_sync import open_store
 
+        host = bind_host(host)
         self._store = open_store(world_size, host)
-        return int(self._store.port)
+        return host, int(self._store.port)
 
     def init_weight_group(self, world_size: int, group_name: str, backend: str) -> None:
         """Second half: rank 0 of the group (returns once every engine has joined)."""

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from streamrl.connectors.auth import Keys, write_private
+from streamrl.connectors.ports import LOOPBACK, NODE, bind_host
 from streamrl.core.staleness import mode_bound
 from streamrl.core.types import RunCheckpointed, RunResumed
 from streamrl.recipe import Recipe, learner_layout, learner_summary
@@ -93,7 +94,12 @@ class Services:
         self.log.info(f"learner: {learner_summary(r)}")
         groups = placement.plan(r, engine_gpus(r.engines.backend, r.engines.tp), placement.ENGINE_CPUS)
         placement.check(groups)  # before anything starts: exit 2 naming a short resource
-        self.router = Router(policy=r.engines.router_policy, log_dir=self.dir / "logs", keys=self.keys).start()
+        # network.bind node: the servers bind their node's cluster address (engines theirs, the router and
+        # the producer API the driver's), else 127.0.0.1; the keys are required either way.
+        node = r.network.bind == "node"
+        self.bind = bind_host(NODE) if node else LOOPBACK
+        self.router = Router(host=self.bind, policy=r.engines.router_policy, log_dir=self.dir / "logs",
+                             keys=self.keys).start()
         # Who may generate during the run (the user with curl, the producer service for external
         # producers) finds the router and the API key here (owner-only; never the admin key).
         write_private(self.dir / "endpoints.json", json.dumps({"router_url": self.router.url, "api_key": self.keys.api}))
@@ -113,7 +119,8 @@ class Services:
             await placement.ready(pg, what)
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
-                                              keep_weights=r.engines.keep_weights, tp=r.engines.tp)
+                                              host=NODE if node else LOOPBACK, keep_weights=r.engines.keep_weights,
+                                              tp=r.engines.tp)
         (self.dir / "weights").mkdir(parents=True, exist_ok=True)
         kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed,
                   "weights_root": str((self.dir / "weights").resolve()),  # the only weights an engine may load
@@ -121,7 +128,8 @@ class Services:
         self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
                                       log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
-                                      host=r.engines.host, num_cpus=placement.ENGINE_CPUS, placement_group=self.engines_pg)
+                                      host=NODE if node else r.engines.host, num_cpus=placement.ENGINE_CPUS,
+                                      placement_group=self.engines_pg)
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
         bg_up = None
@@ -137,7 +145,7 @@ class Services:
             await self.learner.export.remote(str(sft_dir))
         if self.resume:
             await self._restore()
-        await engines_up
+        self.log.info(f"engines at {', '.join(await engines_up)} (behind the router)")
         if bg_up is not None:
             await bg_up
         if r.sft is not None or self.version:
@@ -163,7 +171,8 @@ class Services:
         from streamrl.producers.serve import start_service_process
 
         self.producer_proc, url = await asyncio.to_thread(
-            start_service_process, self.dir, os.getcwd(), self.dir / "logs" / "producer.log")
+            start_service_process, self.dir, os.getcwd(), self.dir / "logs" / "producer.log",
+            host=self.bind if self.r.network.bind == "node" else None)
         self.log.info(f"producer API at {url} (bearer token in {self.dir / 'producer_token'}); external producers "
                       f"hold {1 if self.r.rollout.workers else 'all'} of {capacity_shares(self.r.rollout.workers, True)} admission shares")
 
