@@ -5,3 +5,7 @@ broadcaster; runtime/services.py) and the per-step operations `streamrl/loop.py`
 
 class RunFailed(RuntimeError):
     """The run cannot go on (the message says why and what to check); the CLI exits 2."""
+
+
+class RunLost(RunFailed):
+    """A process the run needs died mid-run (its node lost, say); `--resume` continues the run. Exit 1."""

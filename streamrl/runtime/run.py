@@ -18,7 +18,7 @@ from typing import Any
 
 from streamrl import loop
 from streamrl.recipe import Recipe
-from streamrl.runtime import RunFailed
+from streamrl.runtime import RunFailed, RunLost
 from streamrl.runtime.services import Services
 from streamrl.runtime.steps import Runtime
 
@@ -86,10 +86,22 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
         if svc.interrupted:
             raise KeyboardInterrupt from None
         raise
+    except ray_exceptions().ActorDiedError as e:  # a node lost, or a process killed: the pool keeps everything
+        why = next((line.strip() for line in str(e).splitlines() if "died because" in line), "an actor died")
+        msg = (f"a process of the run died ({why}); `streamrl run --resume {run_dir}` continues this run from its "
+               "last checkpoint once the cluster has the resources again; nothing in the pool is lost")
+        svc.log.warn(msg)
+        raise RunLost(msg) from None
     finally:
         events.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C aborts the clean-up too
         await svc.stop()
     return summary
+
+
+def ray_exceptions() -> Any:
+    import ray.exceptions
+
+    return ray.exceptions
 
 
 RECIPE = "recipe.yaml"  # the run's resolved recipe, which `--resume` and `streamrl replay` read

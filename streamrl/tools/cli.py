@@ -263,7 +263,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "run":
         from streamrl.recipe import load_recipe
-        from streamrl.runtime import RunFailed
+        from streamrl.runtime import RunFailed, RunLost
         from streamrl.runtime.run import run
 
         try:
@@ -281,6 +281,9 @@ def _dispatch(args: argparse.Namespace) -> int:
                     raise UsageError("streamrl run needs a RECIPE (or --resume RUN_DIR)")
                 summary = run(load_recipe(args.recipe, args.overrides), args.run_dir, progress=not args.quiet,
                               overwrite=args.overwrite)
+        except RunLost as e:
+            print(f"streamrl: {e}", file=sys.stderr)
+            return 1
         except (RunFailed, FileExistsError, FileNotFoundError) as e:
             raise UsageError(str(e)) from None
         _print_summary(summary)
