@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,37 @@ def test_a_run_on_a_two_node_cluster_places_learner_and_engines_and_ships_a_rewa
     assert assert_ledger_balanced(run)["ledger"]["consumed"] == 4 * 4
     means = {v["mean_reward"] for v in pool_stats(run)["reward_by_version"]}
     assert means == {0.5}, means  # every sample scored by the shipped module
+
+
+@pytest.mark.slow
+def test_losing_the_engine_node_ends_the_run_with_a_resume_hint_and_resume_loses_nothing(tmp_path: Path) -> None:
+    """The node holding the engines and rollout workers dies mid-run (its `ray start` killed): the
+    run ends (exit 1) saying `--resume` continues it; with the node back, the resumed run trains
+    every step once and the ledger balances. (Carrying on without the node is not built.)"""
+    from streamkit import read_metrics
+
+    inputs = [a for a in short_quickstart(tmp_path / "inputs") if not a.startswith("run.steps")]
+    run, steps = tmp_path / "run", 12
+    place = ["placement.learner.resources={trainer: 1}", "placement.engines.resources={rollout: 1}"]
+    recipe = REPO / "recipes" / "quickstart.yaml"
+    with ray_head(tmp_path / "head.log", num_cpus=2, resources='{"trainer": 2}') as address:
+        with ray_node(address, tmp_path / "node.log", num_cpus=3, resources='{"rollout": 4}'):
+            proc = start_streamrl(["run", str(recipe), *inputs, *place, f"run.steps={steps}", f"ray.address={address}",
+                                   "--run-dir", str(run), "--quiet"], tmp_path / "io")
+            deadline = time.monotonic() + 300
+            while len(read_metrics(run)) < 3:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "io" / "streamrl.stderr").read_text()
+                time.sleep(0.2)
+        # the node is gone (its processes killed)
+        res = finish_streamrl(proc, tmp_path / "io", run_dir=run, check=False)
+        assert res.returncode == 1, res.stderr[-3000:]
+        assert f"`streamrl run --resume {run}` continues this run" in res.stderr and "its node has died" in res.stderr
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
+        assert len(read_metrics(run)) < steps
+        with ray_node(address, tmp_path / "node2.log", num_cpus=3, resources='{"rollout": 4}'):
+            run_streamrl(["run", "--resume", str(run), "--quiet"], run_dir=run)
+    last = {m["step"]: m for m in read_metrics(run)}
+    assert sorted(last) == list(range(steps)) and [last[s]["policy_version"] for s in range(steps)] == list(
+        range(1, steps + 1))
+    led = assert_ledger_balanced(run)["ledger"]
+    assert led["consumed"] == steps * 4 and led["lost"] == 0 and led["duplicated"] == 0, led
