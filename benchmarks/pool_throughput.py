@@ -130,12 +130,26 @@ def dir_mb(path: Path) -> float:
     return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6, 1)
 
 
-def table_version(uri: Path) -> int:
-    # A separate connection, so the pool's own objects are left alone.
-    return lancedb.connect(str(uri)).open_table("pool").version
+class Store:
+    """Where the pool lives: a directory under --dir, or (--s3-local) a prefix on a local S3 server."""
+
+    def __init__(self, work: Path, s3: Any = None) -> None:
+        self.s3 = s3
+        self.uri = s3.new_uri() if s3 else str(work / "pool")
+        self.options = s3.storage_options if s3 else {}
+
+    def table_version(self) -> int:
+        # A separate connection, so the pool's own objects are left alone.
+        return lancedb.connect(self.uri, storage_options=self.options or None).open_table("pool").version
+
+    def mb(self) -> float:
+        if self.s3 is None:
+            return dir_mb(Path(self.uri))
+        prefix = self.uri.split("/", 3)[3]
+        return round(sum(o["Size"] for o in self.s3.objects(prefix)) / 1e6, 1)
 
 
-def append_phase(pool: LancePool, uri: Path, groups: list[SampleGroup], producers: int) -> dict[str, Any]:
+def append_phase(pool: LancePool, store: Store, groups: list[SampleGroup], producers: int) -> dict[str, Any]:
     """`producers` threads, each appending its share one group per call, released together."""
     shares = [groups[i::producers] for i in range(producers)]
     lat: list[list[float]] = [[] for _ in range(producers)]
@@ -155,7 +169,7 @@ def append_phase(pool: LancePool, uri: Path, groups: list[SampleGroup], producer
     threads = [threading.Thread(target=work, args=(k,)) for k in range(producers)]
     for th in threads:
         th.start()
-    commits0, version0 = pool.commits, table_version(uri)
+    commits0, version0 = pool.commits, store.table_version()
     start.wait()
     t0 = time.perf_counter()
     for th in threads:
@@ -164,7 +178,7 @@ def append_phase(pool: LancePool, uri: Path, groups: list[SampleGroup], producer
     if errors:
         raise errors[0]
     return {"groups": groups, "seconds": seconds, "lat": [x for ls in lat for x in ls],
-            "commits": pool.commits - commits0, "row_commits": table_version(uri) - version0}
+            "commits": pool.commits - commits0, "row_commits": store.table_version() - version0}
 
 
 def append_summary(runs: list[dict[str, Any]], producers: int) -> dict[str, Any]:
@@ -247,6 +261,9 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, epilog=FIGURES + "\n" + (pool_scale.__doc__ or ""),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="20k rows and fewer claims (under 2 minutes on 2 cores)")
+    ap.add_argument("--s3-local", action="store_true",
+                    help="the pool on a local S3-compatible server (moto, started here; the Arrow IPC baseline "
+                         "stays on local disk): what the object-store protocol costs, not what real S3 gives")
     ap.add_argument("--rows", type=int, help="rows in the pool when claims are measured (default 100000, quick 20000)")
     ap.add_argument("--producers", type=int, default=8, help="concurrent producer threads (default 8)")
     ap.add_argument("--single-groups", type=int, help="groups appended by the single producer (default 150, quick 40)")
@@ -271,7 +288,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, work: Path, store: Store) -> dict[str, Any]:
     n_groups = max(args.rows // GROUP, args.single_groups + 1)
     backlog = min(max(1, -(-args.backlog_rows // GROUP)), n_groups - args.single_groups)
     n_fresh = args.fresh_fragments + args.claims * BATCH_GROUPS
@@ -281,14 +298,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     bulk = make_groups(n_groups, rng, "bulk", consumed=n_groups - backlog)
     fresh = make_groups(n_fresh, rng, "fresh", consumed=0)
     single_groups, multi_groups = bulk[: args.single_groups], bulk[args.single_groups :]
-    uri = work / "pool"
     r: dict[str, Any] = {}
-    with LancePool(uri, commit_max_rows=args.commit_max_rows, commit_linger_ms=args.commit_linger_ms,
-                   compact_every=0) as pool:
+    with LancePool(store.uri, commit_max_rows=args.commit_max_rows, commit_linger_ms=args.commit_linger_ms,
+                   compact_every=0, storage_options=store.options) as pool:
         # Flush dirty pages before each timed phase, so no phase pays for the previous one's writeback.
         os.sync()
         log(f"single producer: {len(single_groups)} groups")
-        r["append_single"] = append_summary([append_phase(pool, uri, single_groups, 1)], 1)
+        r["append_single"] = append_summary([append_phase(pool, store, single_groups, 1)], 1)
         # Pool and IPC alternate in rounds over the same groups, so load from other jobs on a shared
         # machine hits both sides alike; the ratio of the summed rates is the headline.
         pool_runs: list[dict[str, Any]] = []
@@ -297,13 +313,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             part = multi_groups[k :: args.rounds]
             os.sync()
             log(f"round {k + 1}/{args.rounds}: {args.producers} producers, {len(part)} groups")
-            pool_runs.append(append_phase(pool, uri, part, args.producers))
+            pool_runs.append(append_phase(pool, store, part, args.producers))
             # One IPC file per commit this round made: the same tables, the same chunking.
             chunk = max(1, round(len(part) / max(pool_runs[-1]["row_commits"], 1)))
             os.sync()
             log(f"round {k + 1}/{args.rounds}: arrow ipc, {chunk} groups per file")
             ipc_runs.append(ipc_phase(part, chunk, work / "ipc"))
-        pool_mb, ipc_mb, pool_frags = dir_mb(uri), dir_mb(work / "ipc"), pool.fragments()
+        pool_mb, ipc_mb, pool_frags = store.mb(), dir_mb(work / "ipc"), pool.fragments()
         shutil.rmtree(work / "ipc")
         r["append_concurrent"] = conc = append_summary(pool_runs, args.producers)
         r["arrow_ipc"] = ipc = ipc_summary(ipc_runs)
@@ -327,8 +343,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     r["data"] = {"groups": len(every), "rows": sum(len(g.samples) for g in every),
                  "response_tokens": sum(s.num_tokens for g in every for s in g.samples),
                  "arrow_mb": round(arrow_bytes(every) / 1e6, 1), "pool_mb_after_appends": pool_mb,
-                 "pool_fragments_after_appends": pool_frags, "ipc_mb": ipc_mb, "pool_mb_at_end": dir_mb(uri)}
-    r["data_storage_version"] = lancedb.connect(str(uri)).open_table("pool").to_lance().data_storage_version
+                 "pool_fragments_after_appends": pool_frags, "ipc_mb": ipc_mb, "pool_mb_at_end": store.mb()}
+    r["data_storage_version"] = lancedb.connect(store.uri, storage_options=store.options or None).open_table(
+        "pool").to_lance().data_storage_version
     return r
 
 
@@ -347,9 +364,18 @@ def main() -> None:
         return
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="pool_throughput-", dir=args.dir))
+    s3 = None
     try:
-        r = run(args, work)
+        if args.s3_local:
+            from benchmarks._s3 import start_s3
+
+            s3 = start_s3(work / "moto.log")
+            os.environ.update(s3.env)  # credentials from the environment, as a user sets them
+            log(f"pool on a local S3 server (moto) at {s3.url}")
+        r = run(args, work, Store(work, s3))
     finally:
+        if s3 is not None:
+            s3.stop()
         shutil.rmtree(work, ignore_errors=True)
     storage_version = r.pop("data_storage_version")
     result = {
@@ -362,7 +388,8 @@ def main() -> None:
         "config": {"rows": args.rows, "group_size": GROUP, "response_tokens": [200, 2000], "prompt_tokens": [50, 200],
                    "producers": args.producers, "rounds": args.rounds, "commit_max_rows": args.commit_max_rows,
                    "commit_linger_ms": args.commit_linger_ms,
-                   "data_storage_version": storage_version, "dir": str(args.dir)},
+                   "data_storage_version": storage_version, "dir": str(args.dir),
+                   "pool_store": "s3 (moto server on 127.0.0.1)" if args.s3_local else "local disk"},
         "git": git_rev(),  # which pool code was measured
         "machine": machine(load0, ("lancedb", "pylance", "pyarrow", "numpy")),
         "wall_s": round(time.perf_counter() - wall0, 1),

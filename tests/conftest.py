@@ -99,7 +99,7 @@ def router_proc(engines):
     assert not [p for p in pids if pid_alive(p)], f"sglang-router processes {pids} still alive after stop()"
 
 
-# ---------------------------------------------------------------- object storage (tests/s3kit.py)
+# ---------------------------------------------------------------- object storage (benchmarks/_s3.py)
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +107,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
     """A local S3-compatible server (moto) with one bucket, started once per session. Its endpoint
     and credentials are in this process's environment while it runs (children inherit them), as a
     user sets them for a cluster; tests that want the recipe's route pass storage_options too."""
-    from s3kit import start_s3
+    from benchmarks._s3 import start_s3
 
     server = start_s3(tmp_path_factory.mktemp("s3") / "moto.log")
     env = {**server.env, "AWS_ENDPOINT": server.url, "AWS_ALLOW_HTTP": "true"}

@@ -1,5 +1,5 @@
 """The experience pool on object storage (`pool.uri: s3://...`), against a local S3-compatible
-server (tests/s3kit.py): the pool's objects land in the bucket, a run directory finds its S3 pool
+server (benchmarks/_s3.py): the pool's objects land in the bucket, a run directory finds its S3 pool
 through its recorded recipe (`streamrl pool stats/query RUN_DIR`), a new run refuses a prefix
 that holds another run's pool, and a recipe refuses credentials. Two producer processes and a
 claimer on S3: tests/test_pool_processes.py; a run killed and resumed on S3: test_resume_e2e."""
@@ -17,7 +17,7 @@ from streamrl.pools import LancePool, open_pool
 from streamrl.recipe import RecipeError, parse_recipe
 
 from poolkit import admissions_for, assert_group_equal, make_group, partial_of
-from s3kit import BUCKET
+from benchmarks._s3 import BUCKET
 
 MINIMAL = "model:\n  path: m\ndata:\n  path: d\n"
 
@@ -39,7 +39,7 @@ def test_a_pool_on_s3_appends_claims_compacts_and_balances(s3_server) -> None:
         pool.compact()
         assert pool.claim(step=1, learner_version=2, num_groups=2, max_staleness=4) is not None
     prefix = uri.removeprefix(f"s3://{BUCKET}/")
-    keys = s3_server.keys(prefix)
+    keys = [o["Key"] for o in s3_server.objects(prefix)]
     assert any(k.endswith(".lance") for k in keys) and any("/_versions/" in k for k in keys), keys[:10]
     with LancePool(uri, create=False, storage_options=_server_env_only(s3_server)) as pool:  # a fresh reader
         led = pool.ledger()
@@ -66,7 +66,12 @@ def test_a_run_directory_finds_its_s3_pool_for_the_cli(s3_server, tmp_path) -> N
     q = subprocess.run([*cli, "query", str(run_dir), "SELECT count(*) AS n FROM pool WHERE status = 'complete'",
                         "--json"], capture_output=True, text=True, timeout=120)
     assert q.returncode == 0, q.stderr
-    assert "6" in q.stdout, q.stdout
+    assert json.loads(q.stdout) == [{"n": 6}], q.stdout
+    out = tmp_path / "samples.jsonl"
+    ex = subprocess.run([*cli, "export", str(run_dir), str(out), "--kind", "raw", "--quiet"], capture_output=True,
+                        text=True, timeout=120)
+    assert ex.returncode == 0, ex.stderr
+    assert sorted({json.loads(line)["group_id"] for line in out.read_text().splitlines()}) == ["c0", "c1", "c2"]
 
 
 def test_a_new_run_refuses_a_pool_uri_that_holds_another_runs_pool(s3_server, tmp_path) -> None:

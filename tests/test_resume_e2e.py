@@ -57,7 +57,7 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
 
 
 # publish:4 freezes in step 3's publish: the checkpoint "after step 2" usually holds step 3 (trained meanwhile).
-# publish:4-s3: the same with the pool on a local S3-compatible server (tests/s3kit.py, issue 17).
+# publish:4-s3: the same with the pool on a local S3-compatible server (benchmarks/_s3.py, issue 17).
 @pytest.mark.parametrize("moment", ["publish:4", "checkpoint.files:2", "random-tp2", "sigint", "publish:4-s3"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str, request: pytest.FixtureRequest) -> None:

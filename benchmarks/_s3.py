@@ -1,4 +1,4 @@
-"""A local S3-compatible server for the object-store pool tests: moto's server mode (a
+"""A local S3-compatible server for the object-store pool tests and benchmarks: moto's server mode (a
 protocol-level S3 emulator from PyPI; no real S3 server installs from the registries here),
 on 127.0.0.1, with one bucket. It honours S3's conditional writes (If-None-Match), which Lance's
 commits rely on (README: "A pool on object storage")."""
@@ -34,11 +34,10 @@ class S3Server:
     def new_uri(self, name: str = "pool") -> str:
         return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}/{name}"
 
-    def keys(self, prefix: str) -> list[str]:
-        """Object keys under `prefix` (what the pool wrote there)."""
-        c = self.client()
-        pages = c.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-        return [o["Key"] for page in pages for o in page.get("Contents", [])]
+    def objects(self, prefix: str) -> list[dict[str, Any]]:
+        """The objects under `prefix` (what the pool wrote there): S3's listing entries (Key, Size, ...)."""
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return [o for page in pages for o in page.get("Contents", [])]
 
     def client(self) -> Any:
         import boto3
@@ -48,21 +47,20 @@ class S3Server:
                             region_name=CREDENTIALS["AWS_REGION"])
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from benchmarks._procs import stop
+
+        stop(self.proc)
 
 
 def start_s3(log: Path) -> S3Server:
     from streamrl.connectors.ports import PortTaken, says_address_in_use, start_on_free_port
+    from streamrl.connectors.router import _die_with_parent
 
     def start(port: int) -> S3Server:
         with open(log, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
