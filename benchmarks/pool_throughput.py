@@ -134,8 +134,7 @@ class Store:
     """Where the pool lives: a directory under --dir, or (--s3-local) a prefix on a local S3 server."""
 
     def __init__(self, work: Path, s3: Any = None) -> None:
-        self.s3 = s3
-        self.uri = s3.new_uri() if s3 else str(work / "pool")
+        self.s3, self.uri = s3, s3.new_uri() if s3 else str(work / "pool")
         self.options = s3.storage_options if s3 else {}
 
     def table_version(self) -> int:
@@ -145,8 +144,7 @@ class Store:
     def mb(self) -> float:
         if self.s3 is None:
             return dir_mb(Path(self.uri))
-        prefix = self.uri.split("/", 3)[3]
-        return round(sum(o["Size"] for o in self.s3.objects(prefix)) / 1e6, 1)
+        return round(sum(o["Size"] for o in self.s3.objects(self.uri.split("/", 3)[3])) / 1e6, 1)
 
 
 def append_phase(pool: LancePool, store: Store, groups: list[SampleGroup], producers: int) -> dict[str, Any]:
