@@ -144,6 +144,9 @@ class LancePool:
         if missing and not any(d.exists() for d in lance_dirs):
             return (f"{self.uri} is not an experience pool (no '{POOL_TABLE}' and '{ADMISSIONS_TABLE}' "
                     f"tables): {msg}")
+        if "://" in self.uri and any(w in msg for w in ("Failed to connect", "RetryError", "error sending request")):
+            return (f"cannot reach the object store of {self.uri} ({msg}); check the endpoint and region "
+                    "(pool.storage_options) and the credentials in the environment")
         return (f"experience pool at {self.uri} is unreadable ({type(e).__name__}: {msg}); its manifest "
                 "or data files are damaged or were written by an incompatible Lance version")
 

@@ -87,6 +87,19 @@ def test_a_new_run_refuses_a_pool_uri_that_holds_another_runs_pool(s3_server, tm
     assert not (tmp_path / "new").exists(), "nothing is created for a refused run"
 
 
+def test_a_new_run_on_an_unreachable_object_store_exits_before_it_starts(s3_server, tmp_path) -> None:
+    """A wrong endpoint is refused up front with what to check (not "damaged", not mid-run)."""
+    from streamrl.runtime import RunFailed
+    from streamrl.runtime import run as run_mod
+
+    r = parse_recipe(MINIMAL, overrides=[f"pool.uri={s3_server.new_uri()}", f"run.dir={tmp_path / 'new'}",
+                                         'pool.storage_options.aws_endpoint="http://127.0.0.1:9"',
+                                         'pool.storage_options.allow_http="true"'])
+    with pytest.raises(RunFailed, match=r"^pool\.uri: cannot reach the object store of s3://.*pool\.storage_options"):
+        run_mod.run(r, progress=False)
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("key", ["aws_secret_access_key", "aws_access_key_id", "AWS_SESSION_TOKEN"])
 def test_a_recipe_refuses_credentials_in_storage_options(key: str) -> None:
     with pytest.raises(RecipeError) as ei:

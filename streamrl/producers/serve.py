@@ -120,7 +120,8 @@ def start_service_process(run_dir: str | Path, cwd: str | Path, log_path: str | 
     cwd, log_path = Path(cwd), Path(log_path)
     rd = Path(run_dir) if Path(run_dir).is_absolute() else cwd / run_dir
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "streamrl", "produce", "serve", str(run_dir), "--quiet", *(["--host", host] if host else [])]
+    cmd = [sys.executable, "-m", "streamrl", "produce", "serve", str(run_dir), "--quiet",
+           *(["--host", host] if host else [])]
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent)

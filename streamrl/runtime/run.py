@@ -28,6 +28,7 @@ def _fmt(v: Any) -> str:
 
 
 async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: bool = False) -> dict[str, Any]:
+    from ray.exceptions import ActorDiedError
     from tqdm import tqdm
 
     svc = Services(r, run_dir, progress, resume=resume)
@@ -86,7 +87,7 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
         if svc.interrupted:
             raise KeyboardInterrupt from None
         raise
-    except ray_exceptions().ActorDiedError as e:  # a node lost, or a process killed: the pool keeps everything
+    except ActorDiedError as e:  # a node lost, or a process killed: the pool keeps everything
         why = next((line.strip() for line in str(e).splitlines() if "died because" in line), "an actor died")
         msg = (f"a process of the run died ({why}); `streamrl run --resume {run_dir}` continues this run from its "
                "last checkpoint once the cluster has the resources again; nothing in the pool is lost")
@@ -96,12 +97,6 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
         events.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C aborts the clean-up too
         await svc.stop()
     return summary
-
-
-def ray_exceptions() -> Any:
-    import ray.exceptions
-
-    return ray.exceptions
 
 
 RECIPE = "recipe.yaml"  # the run's resolved recipe, which `--resume` and `streamrl replay` read
@@ -199,8 +194,10 @@ def _refuse_a_used_pool(r: Recipe) -> None:
     try:
         with LancePool(r.pool.uri, create=False, storage_options=r.pool.storage_options) as pool:  # type: ignore[arg-type]
             rows = pool.count()
-    except PoolError:
-        return
+    except PoolError as e:
+        if "is not an experience pool" in str(e):
+            return  # nothing there yet: this run creates it
+        raise RunFailed(f"pool.uri: {e}") from None
     if rows:
         raise RunExists(f"pool.uri {r.pool.uri} already holds an experience pool ({rows} rows) of another run: give "
                         "this run a new pool.uri, or continue that run with `streamrl run --resume RUN_DIR` "
