@@ -138,12 +138,10 @@ class LancePool:
             return self._db.open_table(name)
 
     def _explain_open_error(self, e: Exception) -> str:
-        msg = str(e).splitlines()[0][:300]
-        lance_dirs = [Path(self.uri) / f"{t}.lance" for t in (POOL_TABLE, ADMISSIONS_TABLE)]
-        missing = "not found" in msg.lower() or "does not exist" in msg.lower()
-        if missing and not any(d.exists() for d in lance_dirs):
-            return (f"{self.uri} is not an experience pool (no '{POOL_TABLE}' and '{ADMISSIONS_TABLE}' "
-                    f"tables): {msg}")
+        msg, tables = str(e).splitlines()[0][:300], (POOL_TABLE, ADMISSIONS_TABLE)
+        if ("not found" in msg.lower() or "does not exist" in msg.lower()) and not any(
+                (Path(self.uri) / f"{t}.lance").exists() for t in tables):
+            return f"{self.uri} is not an experience pool (no '{tables[0]}' and '{tables[1]}' tables): {msg}"
         if "://" in self.uri and any(w in msg for w in ("Failed to connect", "RetryError", "error sending request")):
             return (f"cannot reach the object store of {self.uri} ({msg}); check the endpoint and region "
                     "(pool.storage_options) and the credentials in the environment")
