@@ -15,12 +15,12 @@ os.environ.setdefault("LANCEDB_LOG", "error")
 
 from typing import TYPE_CHECKING, Any
 
-from streamrl.pools.base import ExperiencePool, PoolError
+from streamrl.pools.base import ExperiencePool, NoPool, PoolError
 
 if TYPE_CHECKING:
     from streamrl.pools.lance_pool import LancePool
 
-__all__ = ["ExperiencePool", "LancePool", "PoolError", "open_pool", "resolve_pool", "resolve_pool_uri"]
+__all__ = ["ExperiencePool", "LancePool", "NoPool", "PoolError", "open_pool", "resolve_pool", "resolve_pool_uri"]
 
 
 def __getattr__(name: str) -> Any:
@@ -33,7 +33,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'pools' has no attribute {name!r}")
 
 
-RECORDED_RECIPE = "recipe.yaml"  # what a run directory records (streamrl/runtime/run.py: RECIPE)
+RECORDED_RECIPE = "recipe.yaml"  # the resolved recipe a run directory records (streamrl/runtime/run.py)
 
 
 def resolve_pool(run_dir_or_uri: str) -> tuple[str, dict[str, str]]:

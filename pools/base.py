@@ -14,6 +14,10 @@ class PoolError(Exception):
     """The pool cannot be opened or used; the message says what to check."""
 
 
+class NoPool(PoolError):
+    """Opened without create: no pool at that URI (yet), as opposed to one that is there but unusable."""
+
+
 class ExperiencePool(Protocol):
     uri: str
 

@@ -34,7 +34,7 @@ import pyarrow as pa
 from streamrl.core.ledger import compute_ledger
 from streamrl.core.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup
 from streamrl.pools import reads
-from streamrl.pools.base import PoolError
+from streamrl.pools.base import NoPool, PoolError
 from streamrl.pools.claimer import Claimer, Select, quote
 from streamrl.pools.committer import Committer, Item, retry_conflicts
 from streamrl.pools.schema import (
@@ -76,7 +76,7 @@ class LancePool:
         self.compact_every = compact_every
         self._compacting: threading.Thread | None = None
         if "://" not in self.uri and not create and not Path(self.uri).is_dir():
-            raise PoolError(f"no experience pool at {self.uri}: the directory does not exist "
+            raise NoPool(f"no experience pool at {self.uri}: the directory does not exist "
                             "(pass a run directory or its pool/ subdirectory)")
         self._tables: dict[str, Any] = {}
         try:
@@ -95,7 +95,7 @@ class LancePool:
         except PoolError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise PoolError(self._explain_open_error(e)) from None
+            raise self._open_error(e) from None
         self._pool, self._adm = self._tables[POOL_TABLE], self._tables[ADMISSIONS_TABLE]
         names = set(self._pool.schema.names)
         if names != set(POOL_SCHEMA.names):
@@ -137,16 +137,16 @@ class LancePool:
         except Exception:  # noqa: BLE001 - another process created it first
             return self._db.open_table(name)
 
-    def _explain_open_error(self, e: Exception) -> str:
+    def _open_error(self, e: Exception) -> PoolError:
         msg, tables = str(e).splitlines()[0][:300], (POOL_TABLE, ADMISSIONS_TABLE)
         if ("not found" in msg.lower() or "does not exist" in msg.lower()) and not any(
                 (Path(self.uri) / f"{t}.lance").exists() for t in tables):
-            return f"{self.uri} is not an experience pool (no '{tables[0]}' and '{tables[1]}' tables): {msg}"
+            return NoPool(f"{self.uri} is not an experience pool (no '{tables[0]}' and '{tables[1]}' tables): {msg}")
         if "://" in self.uri and any(w in msg for w in ("Failed to connect", "RetryError", "error sending request")):
-            return (f"cannot reach the object store of {self.uri} ({msg}); check the endpoint and region "
-                    "(pool.storage_options) and the credentials in the environment")
-        return (f"experience pool at {self.uri} is unreadable ({type(e).__name__}: {msg}); its manifest "
-                "or data files are damaged or were written by an incompatible Lance version")
+            return PoolError(f"cannot reach the object store of {self.uri} ({msg}); check the endpoint and region "
+                             "(pool.storage_options) and the credentials in the environment")
+        return PoolError(f"experience pool at {self.uri} is unreadable ({type(e).__name__}: {msg}); its manifest "
+                         "or data files are damaged or were written by an incompatible Lance version")
 
     # ------------------------------------------------------------ writes
 

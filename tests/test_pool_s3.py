@@ -87,6 +87,16 @@ def test_a_new_run_refuses_a_pool_uri_that_holds_another_runs_pool(s3_server, tm
     assert not (tmp_path / "new").exists(), "nothing is created for a refused run"
 
 
+def test_a_new_run_may_name_a_pool_uri_where_no_pool_is_yet(s3_server, tmp_path) -> None:
+    """Nothing there yet, on S3 or on a local path outside the run directory: the run creates it."""
+    from streamrl.runtime import run as run_mod
+
+    for uri in (s3_server.new_uri(), str(tmp_path / "elsewhere" / "pool")):
+        r = parse_recipe(MINIMAL, overrides=[f"pool.uri={uri}"] + [
+            f'pool.storage_options.{k}="{v}"' for k, v in s3_server.storage_options.items()])
+        run_mod._refuse_a_used_pool(r)  # returns: no pool there
+
+
 def test_a_new_run_on_an_unreachable_object_store_exits_before_it_starts(s3_server, tmp_path) -> None:
     """A wrong endpoint is refused up front with what to check (not "damaged", not mid-run)."""
     from streamrl.runtime import RunFailed

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl import loop
+from streamrl.pools import RECORDED_RECIPE
 from streamrl.recipe import Recipe
 from streamrl.runtime import RunFailed, RunLost
 from streamrl.runtime.services import Services
@@ -99,7 +100,7 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
     return summary
 
 
-RECIPE = "recipe.yaml"  # the run's resolved recipe, which `--resume` and `streamrl replay` read
+RECIPE = RECORDED_RECIPE  # the run's resolved recipe, which `--resume`, `streamrl replay` and the pool CLI read
 # What a resumed run must keep: which prompt instances exist and who owns them, and the policy the checkpoints hold.
 FIXED_ON_RESUME = ("model", "sft", "data.path", "data.shuffle", "data.seed", "rollout.workers", "rollout.n_samples",
                    "rollout.groups_per_step", "pool", "producer_api.enabled")
@@ -189,14 +190,14 @@ def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True, ove
 def _refuse_a_used_pool(r: Recipe) -> None:
     """A new run never writes into another run's pool: `pool.uri` (an object store, or a path
     outside the run directory) must name no pool or an empty one; --overwrite never deletes it."""
-    from streamrl.pools import LancePool, PoolError
+    from streamrl.pools import LancePool, NoPool, PoolError
 
     try:
         with LancePool(r.pool.uri, create=False, storage_options=r.pool.storage_options) as pool:  # type: ignore[arg-type]
             rows = pool.count()
+    except NoPool:
+        return  # nothing there yet: this run creates it
     except PoolError as e:
-        if "is not an experience pool" in str(e):
-            return  # nothing there yet: this run creates it
         raise RunFailed(f"pool.uri: {e}") from None
     if rows:
         raise RunExists(f"pool.uri {r.pool.uri} already holds an experience pool ({rows} rows) of another run: give "
