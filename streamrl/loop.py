@@ -25,16 +25,13 @@ OnStep = Callable[[dict[str, Any]], None]
 
 async def stream(rt: Runtime, steps: int, on_step: OnStep) -> None:
     streams = rt.start_streaming()  # workers admit groups while (V + eta + 1) * groups_per_step allows
-    publishing = None
+    publishing: Any = asyncio.sleep(0)  # nothing to publish before the first step
     for step in range(rt.start_step, steps):  # start_step > 0: resumed (runtime.py restored the learner)
-        training = asyncio.ensure_future(rt.train_step(step, streams))  # oldest complete groups within the bound
-        if publishing is not None:
-            await publishing  # the previous version reaches the engines while this step trains
-        m = await training  # -> version step + 1
+        training = rt.train_step(step, streams)  # oldest complete groups within the bound -> version step + 1
+        m, _ = await asyncio.gather(training, publishing)  # the previous version reaches the engines meanwhile
         publishing = asyncio.ensure_future(rt.publish(step, m, interrupt=True))  # mid-generation; workers admit more
         on_step(m)
-    if publishing is not None:
-        await publishing
+    await publishing
     await rt.stop_workers()
 
 
@@ -49,14 +46,12 @@ async def lockstep(rt: Runtime, steps: int, on_step: OnStep) -> None:
 async def one_step_off(rt: Runtime, steps: int, on_step: OnStep) -> None:
     if rt.start_step >= steps:
         return
-    gen = asyncio.ensure_future(rt.generate(rt.r.rollout.groups_per_step))
+    gen: Any = asyncio.ensure_future(rt.generate(rt.r.rollout.groups_per_step))
     for step in range(rt.start_step, steps):
         await gen  # the batch this step trains on is in the pool
-        gen = asyncio.ensure_future(rt.generate(rt.r.rollout.groups_per_step)) if step + 1 < steps else None
-        m = await rt.train_step(step)  # overlaps the next batch's generation (current weights)
-        if gen is not None:
-            await gen  # weights change only between batches: no partial rollouts
-        await rt.publish(step, m, interrupt=False)
+        gen = asyncio.ensure_future(rt.generate(rt.r.rollout.groups_per_step)) if step + 1 < steps else asyncio.sleep(0)
+        m, _ = await asyncio.gather(rt.train_step(step), gen)  # training overlaps the next batch's generation
+        await rt.publish(step, m, interrupt=False)  # weights change only between batches: no partial rollouts
         on_step(m)
 
 

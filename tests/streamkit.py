@@ -568,17 +568,19 @@ def ray_head(log: Path, num_cpus: int, resources: str = "{}") -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def ray_node(address: str, log: Path, num_cpus: int, resources: str = "{}") -> Iterator[None]:
-    """A second node of that cluster on this machine (`ray start --address`), killed on exit."""
+def ray_node(address: str, log: Path, num_cpus: int, resources: str = "{}", kill: bool = False) -> Iterator[None]:
+    """A second node of that cluster on this machine (`ray start --address`), stopped on exit;
+    `kill`: SIGKILLed at once, its raylet and every process on it (a node lost, not stopped)."""
     with _ray_start([f"--address={address}", f"--num-cpus={num_cpus}", f"--resources={resources}",
-                     "--disable-usage-stats"], log, r"(Ray runtime started)"):
+                     "--disable-usage-stats"], log, r"(Ray runtime started)", kill):
         yield
 
 
 @contextlib.contextmanager
-def _ray_start(args: list[str], log: Path, ready: str) -> Iterator[str]:
+def _ray_start(args: list[str], log: Path, ready: str, kill: bool = False) -> Iterator[str]:
     """`ray start ARGS --block` in a session of its own, until `ready` (a regex) shows in its
-    output; yields the regex's group; SIGTERM then SIGKILL to the whole session on exit."""
+    output; yields the regex's group; SIGTERM then SIGKILL (`kill`: SIGKILL only) to the whole
+    session on exit."""
     import re
 
     with open(log, "wb") as out:
@@ -593,7 +595,7 @@ def _ray_start(args: list[str], log: Path, ready: str) -> Iterator[str]:
             time.sleep(0.5)
         yield found
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig in (signal.SIGKILL,) if kill else (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(proc.pid, sig)
                 proc.wait(10)

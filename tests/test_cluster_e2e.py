@@ -2,7 +2,9 @@
 rollout workers on the other (recipe `placement`), a reward module that exists only next to the
 recipe travelling to the workers as a Ray `py_modules` entry (it is on no worker's path
 otherwise), a balanced ledger, every sample scored by that module; a placement no node can take
-is exit 2. Also: which modules a run ships, and the error a worker gives for one it cannot import."""
+is exit 2. Losing a node mid-run: the engines' and workers' node (the run carries on once a node
+returns), the learner's (the run ends saying `--resume`, which loses nothing). Also: which modules
+a run ships, and the error a worker gives for one it cannot import."""
 
 from __future__ import annotations
 
@@ -139,35 +141,79 @@ def test_a_run_on_a_two_node_cluster_places_learner_and_engines_and_ships_a_rewa
     assert means == {0.5}, means  # every sample scored by the shipped module
 
 
-@pytest.mark.slow
-def test_losing_the_engine_node_ends_the_run_with_a_resume_hint_and_resume_loses_nothing(tmp_path: Path) -> None:
-    """The node holding the engines and rollout workers dies mid-run (its `ray start` killed): the
-    run ends (exit 1) saying `--resume` continues it; with the node back, the resumed run trains
-    every step once and the ledger balances. (Carrying on without the node is not built.)"""
+STEPS = 40  # ~0.15 s a step: a node dies with most of the run to go
+
+
+def _run_until_step_3(tmp_path: Path, address: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """A quick-start run on the cluster (learner on `trainer`, engines and workers on `rollout`),
+    returned once it has logged 3 steps."""
     from streamkit import read_metrics
 
     inputs = [a for a in short_quickstart(tmp_path / "inputs") if not a.startswith("run.steps")]
-    run, steps = tmp_path / "run", 12
+    run = tmp_path / "run"
     place = ["placement.learner.resources={trainer: 1}", "placement.engines.resources={rollout: 1}"]
-    recipe = REPO / "recipes" / "quickstart.yaml"
+    proc = start_streamrl(["run", str(REPO / "recipes" / "quickstart.yaml"), *inputs, *place, f"run.steps={STEPS}",
+                           f"ray.address={address}", "--run-dir", str(run), "--quiet"], tmp_path / "io")
+    deadline = time.monotonic() + 300
+    while len(read_metrics(run)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "io" / "streamrl.stderr").read_text()
+        time.sleep(0.2)
+    return proc, run
+
+
+def _every_step_once_and_balanced(run: Path) -> list[dict]:
+    from streamkit import read_metrics
+
+    metrics = read_metrics(run)
+    last = {m["step"]: m for m in metrics}
+    assert sorted(last) == list(range(STEPS)), [m["step"] for m in metrics]
+    assert [last[s]["policy_version"] for s in range(STEPS)] == list(range(1, STEPS + 1))
+    led = assert_ledger_balanced(run)["ledger"]
+    assert led["consumed"] == STEPS * 4 and led["lost"] == 0 and led["duplicated"] == 0, led
+    return metrics
+
+
+@pytest.mark.slow
+def test_losing_the_engine_node_mid_run_the_run_carries_on_when_a_node_returns(tmp_path: Path) -> None:
+    """The node holding the engines and rollout workers dies mid-run (its raylet and every process
+    on it SIGKILLed). The run does not end: its placement groups wait for resources, a new node with
+    them joins, the engines and the rollout worker start again there and the worker picks up its
+    groups from the pool; the run finishes by itself, every step once, the ledger balanced."""
+    from streamkit import read_metrics
+
     with ray_head(tmp_path / "head.log", num_cpus=2, resources='{"trainer": 2}') as address:
-        with ray_node(address, tmp_path / "node.log", num_cpus=3, resources='{"rollout": 4}'):
-            proc = start_streamrl(["run", str(recipe), *inputs, *place, f"run.steps={steps}", f"ray.address={address}",
-                                   "--run-dir", str(run), "--quiet"], tmp_path / "io")
-            deadline = time.monotonic() + 300
-            while len(read_metrics(run)) < 3:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "io" / "streamrl.stderr").read_text()
-                time.sleep(0.2)
-        # the node is gone (its processes killed)
+        with ray_node(address, tmp_path / "node.log", num_cpus=3, resources='{"rollout": 4}', kill=True):
+            proc, run = _run_until_step_3(tmp_path, address)
+            lost_at = len(read_metrics(run))
+        assert lost_at < STEPS
+        with ray_node(address, tmp_path / "node2.log", num_cpus=3, resources='{"rollout": 4}'):
+            finish_streamrl(proc, tmp_path / "io", run_dir=run)
+    metrics = _every_step_once_and_balanced(run)
+    assert len(metrics) == STEPS  # no step logged twice: the run never stopped
+    end = metrics[-1]
+    assert end["worker_restarts"] >= 1 and end["engine_restarts"] >= 1 and end["groups_resumed"] >= 1, end
+    log = (run / "run.log").read_text()
+    assert "rollout worker 0 died" in log and "rollout worker 0 is up again" in log, log[-3000:]
+    gaps = [b["wall_time_s"] - a["wall_time_s"] for a, b in zip(metrics, metrics[1:])]
+    print(f"node lost after step {lost_at - 1}; longest gap between steps {max(gaps):.1f} s; "
+          f"groups resumed {end['groups_resumed']}")
+
+
+@pytest.mark.slow
+def test_losing_the_learner_node_ends_the_run_with_a_resume_hint_and_resume_loses_nothing(tmp_path: Path) -> None:
+    """The learner's node dies mid-run (SIGKILLed): the run ends (exit 1) saying `--resume`
+    continues it; with a node for the learner back, the resumed run trains every step once and
+    the ledger balances."""
+    from streamkit import read_metrics
+
+    with ray_head(tmp_path / "head.log", num_cpus=3, resources='{"rollout": 4}') as address:
+        with ray_node(address, tmp_path / "node.log", num_cpus=2, resources='{"trainer": 2}', kill=True):
+            proc, run = _run_until_step_3(tmp_path, address)
         res = finish_streamrl(proc, tmp_path / "io", run_dir=run, check=False)
         assert res.returncode == 1, res.stderr[-3000:]
-        assert f"`streamrl run --resume {run}` continues this run" in res.stderr and "its node has died" in res.stderr
+        assert f"`streamrl run --resume {run}` continues this run" in res.stderr, res.stderr[-3000:]
         assert "Traceback" not in res.stderr, res.stderr[-3000:]
-        assert len(read_metrics(run)) < steps
-        with ray_node(address, tmp_path / "node2.log", num_cpus=3, resources='{"rollout": 4}'):
+        assert len(read_metrics(run)) < STEPS
+        with ray_node(address, tmp_path / "node2.log", num_cpus=2, resources='{"trainer": 2}'):
             run_streamrl(["run", "--resume", str(run), "--quiet"], run_dir=run)
-    last = {m["step"]: m for m in read_metrics(run)}
-    assert sorted(last) == list(range(steps)) and [last[s]["policy_version"] for s in range(steps)] == list(
-        range(1, steps + 1))
-    led = assert_ledger_balanced(run)["ledger"]
-    assert led["consumed"] == steps * 4 and led["lost"] == 0 and led["duplicated"] == 0, led
+    _every_step_once_and_balanced(run)

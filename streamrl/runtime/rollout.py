@@ -93,11 +93,12 @@ class RolloutWorker:
         self._failed_in_a_row = 0
         self._last_failure: str | None = None
         self.exhausted = False
+        self._streaming: asyncio.Future[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------ control (called by the driver)
 
     def set_version(self, version: int, max_staleness: int | None = None) -> None:
-        self.version = version
+        self.version = max(self.version, version)  # calls queued for a worker being placed may run out of order
         if max_staleness is not None:
             self.max_staleness = max_staleness
         self._wake.set()
@@ -130,7 +131,13 @@ class RolloutWorker:
     # ------------------------------------------------------------ drivers
 
     async def stream(self) -> dict[str, Any]:
-        """Start groups while admission control allows, until stopped or out of prompts."""
+        """Start groups while admission control allows, until stopped or out of prompts. A second
+        call (the driver lost contact with the first) waits for the same loop."""
+        if self._streaming is None:
+            self._streaming = asyncio.ensure_future(self._stream())
+        return await asyncio.shield(self._streaming)
+
+    async def _stream(self) -> dict[str, Any]:
         await self._resume()
         while not self._stopping:
             self._check_failing()

@@ -29,7 +29,7 @@ def _fmt(v: Any) -> str:
 
 
 async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: bool = False) -> dict[str, Any]:
-    from ray.exceptions import ActorDiedError
+    from ray.exceptions import RayActorError
     from tqdm import tqdm
 
     svc = Services(r, run_dir, progress, resume=resume)
@@ -88,9 +88,11 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
         if svc.interrupted:
             raise KeyboardInterrupt from None
         raise
-    except ActorDiedError as e:  # a node lost, or a process killed: the pool keeps everything
-        why = next((line.strip() for line in str(e).splitlines() if "died because" in line), "an actor died")
-        msg = (f"a process of the run died ({why}); `streamrl run --resume {run_dir}` continues this run from its "
+    except RayActorError as e:  # the learner's node lost (workers and engines are restarted), or a process killed
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        why = next((line for line in lines if "died because" in line), lines[0][:300])
+        msg = (f"the run lost a process it cannot restart, such as the learner ({why}); "
+               f"`streamrl run --resume {run_dir}` continues this run from its "
                "last checkpoint once the cluster has the resources again; nothing in the pool is lost")
         svc.log.warn(msg)
         raise RunLost(msg) from None

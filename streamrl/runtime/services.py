@@ -42,7 +42,7 @@ class Services:
         self.router: Any = None
         self.engines: Any = None  # streamrl.connectors.launcher.EngineLauncher
         self.learner: Any = None  # the learner actor (streamrl/runtime/learner.py)
-        self.workers: list[Any] = []  # rollout worker actors
+        self.crew: Any = None  # the rollout workers (streamrl/runtime/workers.py)
         self.engines_pg: Any = None  # placement groups (streamrl/runtime/placement.py); the learner's is its own
         self.workers_pg: Any = None
         self.broadcaster: Any = None
@@ -69,6 +69,7 @@ class Services:
         from streamrl.runtime.learner_group import LearnerGroup
         from streamrl.runtime.rollout import worker_actor
         from streamrl.runtime.user_code import runtime_env
+        from streamrl.runtime.workers import Crew
 
         r = self.r
         prepare_inputs(r, self.log)
@@ -155,12 +156,13 @@ class Services:
             self.broadcaster.version = self.version
         n = r.rollout.workers
         states = self.data_states if self.data_states and len(self.data_states) == n else [None] * n
-        self.workers = [worker_actor(placement.WORKER_CPUS).options(**placement.on(self.workers_pg, i)).remote(
-                            recipe_json, self.router.url, i, n, self.version, states[i], self.keys.api)
-                        for i in range(n)]
-        await asyncio.gather(*(w.ready.remote() for w in self.workers))
-        for w in self.workers:
-            await w.set_version.remote(self.version, self.eta)
+
+        def spawn(i: int, version: int, state: dict[str, Any] | None) -> Any:  # worker i, in bundle i
+            return worker_actor(placement.WORKER_CPUS).options(**placement.on(self.workers_pg, i)).remote(
+                recipe_json, self.router.url, i, n, version, state, self.keys.api)
+
+        self.crew = Crew(spawn, states, self.version, self.eta, self.log)
+        await self.crew.start()
         if r.producer_api.enabled:
             await self._start_producer_service()
 
@@ -242,11 +244,12 @@ class Services:
 
             await asyncio.to_thread(stop_service_process, self.producer_proc)
 
-        for w in [] if self.interrupted else self.workers:  # interrupted: killed below, groups in flight restart on resume
+        workers = self.crew.actors if self.crew is not None else []
+        if self.crew is not None and not self.interrupted:  # interrupted: killed below, groups in flight restart on resume
             try:
-                await asyncio.wait_for(w.close.remote(), 60)
+                await asyncio.wait_for(self.crew.call("close"), 60)
             except Exception as e:  # noqa: BLE001 - shutting down anyway
-                self.log.warn(f"rollout worker did not close cleanly: {e!r}")
+                self.log.warn(f"rollout workers did not close cleanly: {e!r}")
         if self.engines is not None:
             await self.engines.stop()
         if self.learner is not None:
@@ -256,7 +259,7 @@ class Services:
                 pass
         if self.router is not None:
             await self.router.close()
-        for a in self.workers:
+        for a in workers:
             ray.kill(a, no_restart=True)
         if self.learner is not None:
             self.learner.kill()

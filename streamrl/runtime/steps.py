@@ -30,14 +30,10 @@ class Runtime:
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
 
-    @property
-    def workers(self) -> list[Any]:
-        return self.svc.workers
-
     # ------------------------------------------------------------ generation
 
     def _shares(self, total: int) -> list[int]:
-        n = len(self.workers)
+        n = len(self.svc.crew.actors)
         return [total // n + (1 if i < total % n else 0) for i in range(n)]
 
     async def generate(self, num_groups: int) -> None:
@@ -45,7 +41,7 @@ class Runtime:
         shares = self._shares(num_groups)
         busy = [i for i, k in enumerate(shares) if k]
         before = {i: self._accepted.get(i, 0) for i in busy}
-        reports = await asyncio.gather(*(_worker_result(self.workers[i].generate.remote(shares[i])) for i in busy))
+        reports = await self.svc.crew.generate(shares)
         for i, r in zip(busy, reports):
             self._accepted[i] = r["accepted"]
         made = sum(self._accepted[i] - before[i] for i in busy)
@@ -54,10 +50,10 @@ class Runtime:
                             "raise data.epochs or lower run.steps")
 
     def start_streaming(self) -> list[Any]:
-        return [w.stream.remote() for w in self.workers]
+        return self.svc.crew.start_streaming()
 
     async def stop_workers(self) -> None:
-        await asyncio.gather(*(w.stop.remote() for w in self.workers))
+        await self.svc.crew.stop()
 
     # ------------------------------------------------------------ training
 
@@ -66,19 +62,17 @@ class Runtime:
         learner = self.svc.learner
         task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, 5.0))
         waited = time.perf_counter()
-        while True:  # poll, so a worker that ran out of prompts or died ends the run with a reason
+        while True:  # poll: a worker that stopped with an error ends the run, one whose actor died starts again
             m = await task
             if m is not None:
                 break
-            for s in streams or []:
-                if _done(s):
-                    await _worker_result(s)  # a worker that stopped with an error ends the run with that error
+            stopped = await self.svc.crew.check_streams() if streams else False
             if not streams and time.perf_counter() - waited > 30:  # only external producers feed this run
                 waited = time.perf_counter()
                 self.log.info(f"step {step}: waiting for external producers to submit groups "
                               f"({self.svc.dir / 'producer.json'} has the URL)")
-            if streams and all(_done(s) for s in streams):
-                reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
+            if stopped:
+                reports = await self.svc.crew.reports()
                 raise RunFailed(f"step {step}: no batch of {self.r.rollout.groups_per_step} groups can be formed and "
                                 f"the rollout workers have stopped (out of prompts: "
                                 f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
@@ -90,7 +84,7 @@ class Runtime:
                           f"({m.get('nonfinite_skipped_total')} skipped in this run)")
         self.log.event(BatchClaimed(step=step, learner_version=m["policy_version"] - 1, group_ids=m["groups"],
                                     dropped=m["dropped_ids"], at=now_ns()))
-        reports = await asyncio.gather(*(w.report.remote() for w in self.workers))
+        reports = await self.svc.crew.reports()
         now, tokens = time.perf_counter(), sum(x.get("gen_tokens", 0) for x in reports)
         m["gen_tokens_per_s"] = (tokens - self._last[1]) / max(1e-9, now - self._last[0])
         self._last = (now, tokens)
@@ -102,6 +96,9 @@ class Runtime:
         m["discarded_token_frac"] = m["discarded_tokens"] / max(1, tokens)
         m["engine_errors"] = sum(x.get("engine_errors", 0) for x in reports)
         m["engine_restarts"] = self.svc.engines.restarts
+        m["worker_restarts"] = self.svc.crew.restarts
+        # Groups workers picked up from the pool after a restart (partial ones and admitted-but-unstored ones).
+        m["groups_resumed"] = sum(x.get("resumed_groups", 0) + x.get("restarted_groups", 0) for x in reports)
         self._reports = reports
         return m
 
@@ -113,7 +110,7 @@ class Runtime:
                                                  self.r.staleness.finish_window_s)
         metrics.update(pause_s=pub["pause_s"], push_s=pub["push_s"], finish_window_s=pub["finish_window_s"],
                        failed_engines=pub["failed_engines"])
-        await asyncio.gather(*(w.set_version.remote(metrics["policy_version"]) for w in self.workers))
+        await self.svc.crew.set_version(metrics["policy_version"])
         self.steps.append(metrics)
         self.log.metrics({k: v for k, v in metrics.items() if k != "groups"} | {"groups": metrics["groups"]})
         every = self.r.run.checkpoint_every
@@ -149,23 +146,6 @@ class Runtime:
         self.log.info(f"eval at version {served}: accuracy {res['accuracy']:.3f} "
                       f"(greedy {res['greedy_accuracy']:.3f}) over {res['prompts']} prompts")
         return row
-
-
-async def _worker_result(ref: Any) -> Any:
-    import ray
-
-    try:
-        return await ref
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if getattr(e, "cause", None) is not None else e
-        raise RunFailed(f"a rollout worker stopped: {cause}") from None
-
-
-def _done(ref: Any) -> bool:
-    import ray
-
-    ready, _ = ray.wait([ref], timeout=0)
-    return bool(ready)
 
 
 def _sum_dicts(ds: Any) -> dict[str, int]:

@@ -1,0 +1,166 @@
+"""The rollout workers as a crew (streamrl/runtime/workers.py), on a real local Ray instance with
+small actors that speak the worker's protocol: a worker whose actor dies is started again with
+its newest dataset position and the run's version, its running totals carry on, `generate` asks
+the new one for its share, and nothing waits on a worker Ray cannot place yet."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+class _Toy:
+    """A rollout worker's protocol, counting groups instead of making them."""
+
+    def __init__(self, index: int, version: int, state: dict[str, Any] | None, die_in_generate: bool = False) -> None:
+        self.i, self.v, self.state, self.eta = index, version, state or {}, None
+        self.made, self.stopping, self.die_in_generate = 0, False, die_in_generate
+
+    async def ready(self) -> dict[str, Any]:
+        return await self.report()
+
+    async def report(self) -> dict[str, Any]:
+        return {"producer": f"toy-{self.i}", "version": self.v, "eta": [self.eta], "started": self.made,
+                "inflight": 0, "accepted": self.made, "gen_tokens": 10 * self.made, "drops": {"short": self.made},
+                "exhausted": False, "data_state": {"pos": self.state.get("pos", 0) + self.made},
+                "born_with": dict(self.state)}
+
+    async def set_version(self, version: int, eta: int | None = None) -> None:
+        self.v, self.eta = max(self.v, version), eta
+
+    async def generate(self, k: int) -> dict[str, Any]:
+        if self.die_in_generate:
+            os._exit(1)
+        self.made += k
+        return await self.report()
+
+    async def stream(self) -> dict[str, Any]:
+        while not self.stopping:
+            self.made += 1
+            await asyncio.sleep(0.01)
+        return await self.report()
+
+    async def stop(self) -> dict[str, Any]:
+        self.stopping = True
+        return await self.report()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    from streamrl.connectors.launcher import ensure_ray
+
+    here = str(Path(__file__).parent)  # the actors' class lives in this module
+    ensure_ray(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _crew(tmp_path: Path, n: int, spawned: list[tuple[int, int, Any]], placeable: Any = lambda k: True,
+          dies: Any = lambda k: False) -> Any:
+    import ray
+
+    from streamrl.runtime.runlog import RunLog
+    from streamrl.runtime.workers import Crew
+
+    toy = ray.remote(num_cpus=0, max_concurrency=100)(_Toy)
+
+    def spawn(i: int, version: int, state: dict[str, Any] | None) -> Any:
+        k = len(spawned)  # the k-th actor made
+        spawned.append((i, version, state))
+        opts = {} if placeable(k) else {"resources": {"no_such_node": 1}}
+        return toy.options(**opts).remote(i, version, state, dies(k))
+
+    return Crew(spawn, [None] * n, version=3, eta=2, log=RunLog(tmp_path, echo=False))
+
+
+async def _until(cond: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await cond():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+
+def test_a_dead_streaming_worker_starts_again_where_it_stood_and_its_totals_carry_on(tmp_path: Path,
+                                                                                      ray_local: None) -> None:
+    import ray
+
+    async def main() -> None:
+        spawned: list[tuple[int, int, Any]] = []
+        crew = _crew(tmp_path, 2, spawned)
+        await crew.start()
+        crew.start_streaming()
+        await asyncio.sleep(0.3)
+        before = await crew.reports()
+        assert [r["eta"] for r in before] == [[2], [2]] and all(r["accepted"] > 0 for r in before)
+        await crew.set_version(7)
+        ray.kill(crew.actors[0], no_restart=True)
+        await _until(lambda: _restarted(crew))
+        assert spawned[2][:2] == (0, 7)  # worker 0 again, at the run's version
+        assert spawned[2][2] == before[0]["data_state"]  # from its newest reported dataset position
+        await _until(lambda: _up(crew, 0))
+        await asyncio.sleep(0.2)
+        after = await crew.reports()
+        new = after[0]["born_with"]
+        assert new == before[0]["data_state"] and after[0]["eta"] == [2]
+        assert after[0]["accepted"] > before[0]["accepted"]  # the dead worker's totals plus the new one's
+        assert after[0]["drops"]["short"] == after[0]["accepted"]
+        assert not await crew.check_streams()  # both stream again
+        await crew.stop()
+        await _until(crew.check_streams)  # stopped: every stream returns
+        assert crew.restarts == 1
+        assert "rollout worker 0 died" in (tmp_path / "run.log").read_text()
+
+    asyncio.run(main())
+
+
+async def _restarted(crew: Any) -> bool:
+    await crew.check_streams()
+    return crew.restarts == 1
+
+
+async def _up(crew: Any, i: int) -> bool:
+    return crew.up(i)
+
+
+def test_generate_asks_a_restarted_worker_for_its_whole_share(tmp_path: Path, ray_local: None) -> None:
+    async def main() -> None:
+        spawned: list[tuple[int, int, Any]] = []
+        crew = _crew(tmp_path, 2, spawned, dies=lambda k: k == 1)  # worker 1's first actor dies in generate
+        await crew.start()
+        reports = await asyncio.wait_for(crew.generate([3, 2]), 60)
+        assert [r["accepted"] for r in reports] == [3, 2]
+        assert [i for i, _, _ in spawned] == [0, 1, 1] and crew.restarts == 1
+
+    asyncio.run(main())
+
+
+def test_nothing_waits_on_a_worker_ray_cannot_place_yet(tmp_path: Path, ray_local: None) -> None:
+    import ray
+
+    async def main() -> None:
+        spawned: list[tuple[int, int, Any]] = []
+        crew = _crew(tmp_path, 2, spawned, placeable=lambda k: k < 2)  # the restarted worker finds no node
+        await crew.start()
+        crew.start_streaming()
+        await asyncio.sleep(0.2)
+        ray.kill(crew.actors[1], no_restart=True)
+        await _until(lambda: _restarted(crew))
+        t0 = time.monotonic()
+        await crew.set_version(9)
+        reports = await crew.reports()
+        assert time.monotonic() - t0 < 10  # not blocked on the actor no node can take
+        assert not crew.up(1) and crew.up(0)
+        assert reports[0]["version"] == 9 and reports[1]["producer"] == "toy-1"  # worker 1: its last report
+        await asyncio.wait_for(crew.stop(), 10)
+        assert "rollout worker 1 was not placed again" in (tmp_path / "run.log").read_text()
+
+    asyncio.run(main())
