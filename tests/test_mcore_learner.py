@@ -119,11 +119,11 @@ MINI = BATCH + """
     by_hand = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=64)
     from streamrl.connectors.mcore_batch import TokenBatch
     rows = batch()
-    b = TokenBatch([(s.prompt, s.response) for s in rows])
+    b = TokenBatch([(s.prompt, s.response) for s in rows]).to(by_hand.device)
     with torch.no_grad():
         prox = by_hand._forward(by_hand.model, b, 1.0)[0]
     logp = by_hand._forward(by_hand.model, b, 1.0)[0]
-    adv = torch.tensor([s.advantage for s in rows])[:, None] * b.resp_mask
+    adv = torch.tensor([s.advantage for s in rows], device=by_hand.device)[:, None] * b.resp_mask
     ratio = torch.exp(logp - prox)
     loss = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv) * b.resp_mask).sum() / b.resp_mask.sum()
     loss.backward()  # megatron's DDP hooks move each gradient into the parameter's main_grad
