@@ -17,7 +17,10 @@ import pytest
 class _Toy:
     """A rollout worker's protocol, counting groups instead of making them."""
 
-    def __init__(self, index: int, version: int, state: dict[str, Any] | None, die_in_generate: bool = False) -> None:
+    def __init__(self, index: int, version: int, state: dict[str, Any] | None, die_in_generate: bool = False,
+                 die_at_start: bool = False) -> None:
+        if die_at_start:
+            os._exit(1)
         self.i, self.v, self.state, self.eta = index, version, state or {}, None
         self.made, self.stopping, self.die_in_generate = 0, False, die_in_generate
 
@@ -65,7 +68,7 @@ def ray_local():
 
 
 def _crew(tmp_path: Path, n: int, spawned: list[tuple[int, int, Any]], placeable: Any = lambda k: True,
-          dies: Any = lambda k: False) -> Any:
+          dies: Any = lambda k: False, dies_at_start: Any = lambda k: False) -> Any:
     import ray
 
     from streamrl.runtime.runlog import RunLog
@@ -77,7 +80,7 @@ def _crew(tmp_path: Path, n: int, spawned: list[tuple[int, int, Any]], placeable
         k = len(spawned)  # the k-th actor made
         spawned.append((i, version, state))
         opts = {} if placeable(k) else {"resources": {"no_such_node": 1}}
-        return toy.options(**opts).remote(i, version, state, dies(k))
+        return toy.options(**opts).remote(i, version, state, dies(k), dies_at_start(k))
 
     return Crew(spawn, [None] * n, version=3, eta=2, log=RunLog(tmp_path, echo=False))
 
@@ -162,5 +165,27 @@ def test_nothing_waits_on_a_worker_ray_cannot_place_yet(tmp_path: Path, ray_loca
         assert reports[0]["version"] == 9 and reports[1]["producer"] == "toy-1"  # worker 1: its last report
         await asyncio.wait_for(crew.stop(), 10)
         assert "rollout worker 1 was not placed again" in (tmp_path / "run.log").read_text()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_dies_every_time_it_starts_ends_the_run(tmp_path: Path, ray_local: None) -> None:
+    import ray
+
+    from streamrl.runtime import RunFailed
+    from streamrl.runtime.workers import RESTARTS_PER_WORKER
+
+    async def main() -> None:
+        spawned: list[tuple[int, int, Any]] = []
+        crew = _crew(tmp_path, 1, spawned, dies_at_start=lambda k: k > 0)  # only the first actor starts
+        await crew.start()
+        crew.start_streaming()
+        ray.kill(crew.actors[0], no_restart=True)
+        with pytest.raises(RunFailed, match=f"rollout worker 0 died {RESTARTS_PER_WORKER + 1} times"):
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                await crew.check_streams()
+                await asyncio.sleep(0.05)
+        assert len(spawned) == RESTARTS_PER_WORKER + 1
 
     asyncio.run(main())

@@ -19,6 +19,8 @@ from streamrl.runtime.runlog import RunLog
 # worker's totals continue from those of the worker it replaces).
 _STATE = ("version", "started", "inflight")
 
+RESTARTS_PER_WORKER = 10  # beyond this a worker's deaths are not a lost node: its start-up itself fails
+
 Spawn = Callable[[int, int, "dict[str, Any] | None"], Any]  # (index, version, dataset position) -> actor
 
 
@@ -33,6 +35,7 @@ class Crew:
         self._placing: dict[int, Any] = {}  # restarted workers not up yet: index -> their ready() ref
         self.streams: list[Any] | None = None  # stream() refs, in stream mode
         self.restarts = 0
+        self._restarts_of = [0] * len(states)
 
     async def start(self) -> None:
         self.last = list(await asyncio.gather(*(a.ready.remote() for a in self.actors)))
@@ -51,6 +54,9 @@ class Crew:
         """Start worker i again (its actor died); returns at once, Ray places it when it can."""
         import ray
 
+        self._restarts_of[i] += 1
+        if self._restarts_of[i] > RESTARTS_PER_WORKER:
+            raise RunFailed(f"rollout worker {i} died {self._restarts_of[i]} times; the last time: {why}")
         self.log.warn(f"rollout worker {i} died ({why}); starting it again: Ray places it when a node has its "
                       "resources, and it picks up its groups from the pool")
         try:
