@@ -3,7 +3,8 @@
     streamrl run recipes/quickstart.yaml            # run.mode: stream | lockstep | one_step_off
 
 - stream (StreamRL): rollout workers generate continuously under admission control, so at most
-  (V + max_staleness + 1) * groups_per_step groups are ever started by learner version V; the
+  (V + max_staleness + 1) * groups_per_step groups are ever started by learner version V, and no
+  more than the run's steps consume (streamrl/core/staleness.py); the
   learner claims the oldest complete groups, trains, and each new version is pushed to the
   engines while they generate (in-flight requests are aborted and resumed, or paused in place,
   per `staleness.partial_rollout`).
@@ -37,7 +38,7 @@ async def stream(rt: Runtime, steps: int, on_step: OnStep) -> None:
 
 async def lockstep(rt: Runtime, steps: int, on_step: OnStep) -> None:
     for step in range(rt.start_step, steps):
-        await rt.generate(rt.r.rollout.groups_per_step)  # engines busy, learner idle
+        await rt.generate(rt.per_step)  # engines busy, learner idle
         m = await rt.train_step(step)  # learner busy, engines idle
         await rt.publish(step, m, interrupt=False)
         on_step(m)
@@ -46,10 +47,10 @@ async def lockstep(rt: Runtime, steps: int, on_step: OnStep) -> None:
 async def one_step_off(rt: Runtime, steps: int, on_step: OnStep) -> None:
     if rt.start_step >= steps:
         return
-    gen: Any = asyncio.ensure_future(rt.generate(rt.r.rollout.groups_per_step))
+    gen: Any = asyncio.ensure_future(rt.generate(rt.per_step))
     for step in range(rt.start_step, steps):
         await gen  # the batch this step trains on is in the pool
-        gen = asyncio.ensure_future(rt.generate(rt.r.rollout.groups_per_step)) if step + 1 < steps else asyncio.sleep(0)
+        gen = asyncio.ensure_future(rt.generate(rt.per_step)) if step + 1 < steps else asyncio.sleep(0)
         m, _ = await asyncio.gather(rt.train_step(step), gen)  # training overlaps the next batch's generation
         await rt.publish(step, m, interrupt=False)  # weights change only between batches: no partial rollouts
         on_step(m)

@@ -137,6 +137,12 @@ def test_admission_capacity(version, eta, gps, expected):
     assert staleness.admission_capacity(version, eta, gps) == expected
 
 
+@pytest.mark.parametrize("gps, over, per_step", [(4, 1.0, 4), (4, 1.5, 6), (16, 1.1, 18), (3, 1.01, 4)])
+def test_a_step_claims_groups_per_step_times_over_sampling_rounded_up(gps, over, per_step):
+    assert staleness.claimed_per_step(gps, over) == per_step
+    assert staleness.run_budget(10, staleness.claimed_per_step(gps, over)) == 10 * per_step
+
+
 def test_may_start_boundary_at_version_0():
     # groups_per_step=4, max_staleness=1, version 0: capacity 8
     assert staleness.may_start(0, 0, 1, 4)  # the 1st group

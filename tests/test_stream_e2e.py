@@ -60,6 +60,8 @@ RUN_OVERRIDES: dict[str, dict[str, Any]] = {
                         "engines.weight_sync": "disk", "engines.keep_weights": 0},
     "lockstep": {"run.mode": "lockstep", "run.steps": 4},
     "one_step_off": {"run.mode": "one_step_off", "run.steps": 4},
+    # The learner claims 3 groups a step and trains on the 2 with the largest reward spread.
+    "over_sampling": {"run.steps": 6, "staleness.max_staleness": 1, "rollout.over_sampling": 1.5},
 }
 
 
@@ -187,7 +189,25 @@ def test_staleness_is_never_exceeded(runs: Runs, eta: int, name: str) -> None:
     stats = sk.assert_ledger_balanced(run.dir)
     assert stats["ledger"]["consumed"] == run.steps * GPS, stats["ledger"]
     assert stats["ledger"]["in_flight"] == 0 and stats["ledger"]["partial"] == 0, stats["ledger"]
+    assert stats["ledger"]["complete"] == 0, stats["ledger"]  # nothing generated that no step trains on
     assert max(int(k) for k in stats["staleness_histogram"]) <= eta, stats["staleness_histogram"]
+
+
+def test_over_sampling_streams_to_the_end(runs: Runs) -> None:
+    """`rollout.over_sampling: 1.5`: 3 groups claimed a step, 2 trained on. Admission grows by what
+    a step claims (it grew by groups_per_step and the run hung at step 4), and the run admits
+    exactly what its steps claim."""
+    run = runs.get("over_sampling")
+    where = run.where()
+    k = 3
+    metrics = sk.read_metrics(run.dir)
+    sk.check_step_metrics(metrics, run.steps)
+    assert all(m["dropped_over_sampling"] == k - GPS for m in metrics), ([m["dropped_over_sampling"] for m in metrics], where)
+    led = sk.assert_ledger_balanced(run.dir)["ledger"]
+    assert (led["consumed"], led["dropped"], led["complete"]) == (run.steps * GPS, run.steps * (k - GPS), 0), led
+    assert led["admitted"] == run.steps * k, led
+    problems = sk.admission_excess(run.dir, 1, k)
+    assert not problems, "\n".join(problems) + " " + where
 
 
 # ---------------------------------------------------------------- 2. partial rollouts

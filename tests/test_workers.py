@@ -1,7 +1,8 @@
 """The rollout workers as a crew (streamrl/runtime/workers.py), on a real local Ray instance with
 small actors that speak the worker's protocol: a worker whose actor dies is started again with
 its newest dataset position and the run's version, its running totals carry on, `generate` asks
-the new one for its share, and nothing waits on a worker Ray cannot place yet."""
+the new one for its share, and nothing waits on a worker Ray cannot place yet. Also when the driver
+lets streaming workers admit beyond the run's budget."""
 
 from __future__ import annotations
 
@@ -189,3 +190,45 @@ def test_a_worker_that_dies_every_time_it_starts_ends_the_run(tmp_path: Path, ra
         assert len(spawned) == RESTARTS_PER_WORKER + 1
 
     asyncio.run(main())
+
+
+class _StarvedCrew:
+    """What `Runtime._lift_budget_if_starved` sees of the crew: its reports and the lift."""
+
+    def __init__(self, reports: list[dict[str, Any]]) -> None:
+        self.rows, self.budget_lifted, self.lifts = reports, False, 0
+
+    async def reports(self) -> list[dict[str, Any]]:
+        return self.rows
+
+    async def lift_budget(self) -> None:
+        self.budget_lifted, self.lifts = True, self.lifts + 1
+
+
+@pytest.mark.parametrize("rows, lifted", [
+    ([{"budget_spent": True, "inflight": 0}, {"budget_spent": True, "inflight": 0}], True),
+    ([{"budget_spent": True, "inflight": 0}, {"budget_spent": True, "inflight": 2}], False),  # a group may finish
+    ([{"budget_spent": True, "inflight": 0}, {"budget_spent": False, "inflight": 0}], False),  # one may admit more
+], ids=["starved", "in-flight", "room-left"])
+def test_streaming_admits_beyond_the_budget_only_when_no_batch_can_form(tmp_path: Path, rows: list[dict[str, Any]],
+                                                                        lifted: bool) -> None:
+    from types import SimpleNamespace
+
+    from streamrl.recipe import load_recipe
+    from streamrl.runtime.runlog import RunLog
+    from streamrl.runtime.steps import Runtime
+
+    r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
+    crew = _StarvedCrew(rows)
+    svc = SimpleNamespace(r=r, log=RunLog(tmp_path, echo=False), eta=2, start_step=0, wall_offset=0.0, version=0,
+                          crew=crew)
+    rt = Runtime(svc)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await rt._lift_budget_if_starved(7)
+        await rt._lift_budget_if_starved(7)
+
+    asyncio.run(main())
+    assert crew.lifts == (1 if lifted else 0)
+    log = tmp_path / "run.log"
+    assert ("admitting more" in (log.read_text() if log.exists() else "")) == lifted

@@ -5,6 +5,7 @@ Pure functions (no Ray, HTTP or clock) shared by the runtime, the pool and the s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -19,6 +20,19 @@ def mode_bound(mode: str, max_staleness: int) -> int:
     """The staleness bound a run mode trains under: lockstep is on-policy, one-step-off one
     version behind, stream the recipe's `staleness.max_staleness`."""
     return {"lockstep": 0, "one_step_off": 1}.get(mode, max_staleness)
+
+
+def claimed_per_step(groups_per_step: int, over_sampling: float = 1.0) -> int:
+    """Groups the learner claims per step: `groups_per_step`, or more with over-sampling (it trains
+    on `groups_per_step` of them and drops the rest). Production is sized by this: admission
+    capacity grows by it per version, lockstep generates it per step."""
+    return math.ceil(groups_per_step * over_sampling)
+
+
+def run_budget(steps: int, per_step: int) -> int:
+    """Groups a run of `steps` learner steps consumes: streaming admits no more (groups nobody
+    trains on are generation wasted at the end of every run) unless the learner drops some."""
+    return steps * per_step
 
 
 def admission_capacity(learner_version: int, max_staleness: int, groups_per_step: int) -> int:

@@ -114,14 +114,14 @@ class VersionTail:
 
 class ProducerService:
     def __init__(self, run_dir: Path, recipe: Recipe, quiet: bool = False) -> None:
-        from streamrl.core.staleness import capacity_shares, mode_bound
+        from streamrl.core.staleness import capacity_shares, claimed_per_step, mode_bound
         from streamrl.pools import LancePool
 
-        self.dir, self.r, self.quiet = run_dir, recipe, quiet
-        api = recipe.producer_api
+        self.dir, self.r, self.quiet, api = run_dir, recipe, quiet, recipe.producer_api
         self.token = read_token(run_dir).encode()
         self.vocab_size, self.max_tokens = model_limits(recipe)
         self.eta, self.gps, self.n = mode_bound(recipe.run.mode, recipe.staleness.max_staleness), recipe.rollout.groups_per_step, recipe.rollout.n_samples
+        self.per_step = claimed_per_step(self.gps, recipe.rollout.over_sampling)  # what capacity grows by per version
         self.shares, self.share_index = capacity_shares(recipe.rollout.workers, True), recipe.rollout.workers
         self.max_body = int(api.max_body_mb * 2**20)
         self.tail = VersionTail(run_dir / "events.jsonl")
@@ -170,7 +170,7 @@ class ProducerService:
         self.known[gid] = (producer_id, status)
 
     def room(self, now: float) -> int:
-        return intake.room(self.version, self.eta, self.gps, self.shares, self.share_index, self.started,
+        return intake.room(self.version, self.eta, self.per_step, self.shares, self.share_index, self.started,
                            self.leases.outstanding(now))
 
     def status(self) -> dict[str, Any]:
@@ -271,10 +271,10 @@ class ProducerService:
     def _full_reason(self, now: float) -> str:
         from streamrl.core import staleness
 
-        total = staleness.admission_capacity(self.version, self.eta, self.gps)
+        total = staleness.admission_capacity(self.version, self.eta, self.per_step)
         share = staleness.capacity_share(total, self.share_index, self.shares)
         return (f"staleness bound: learner at version {self.version} allows {share} started external groups "
-                f"(share {self.share_index + 1} of {self.shares} of ({self.version}+{self.eta}+1)*{self.gps}"
+                f"(share {self.share_index + 1} of {self.shares} of ({self.version}+{self.eta}+1)*{self.per_step}"
                 f"={total}); {self.started} started + {self.leases.outstanding(now)} leased; retry when the "
                 "learner publishes the next version")
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from streamrl.core import algorithms as alg
-from streamrl.core.staleness import mode_bound
+from streamrl.core.staleness import claimed_per_step, mode_bound
 from streamrl.core.types import Batch, SampleGroup
 from streamrl.recipe import Recipe
 
@@ -247,7 +247,7 @@ class LearnerDriver(WeightSource):
             return None
         assert self.pool is not None
         ro, st = self.r.rollout, self.r.staleness
-        k = math.ceil(ro.groups_per_step * ro.over_sampling)
+        k = claimed_per_step(ro.groups_per_step, ro.over_sampling)
         select = None
         if k > ro.groups_per_step:
             def select(groups: list[SampleGroup]) -> tuple[list[SampleGroup], dict[str, str]]:

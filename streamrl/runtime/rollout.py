@@ -82,6 +82,8 @@ class RolloutWorker:
         self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
         self.version = version
         self.max_staleness = recipe.staleness.max_staleness
+        self.per_step = staleness.claimed_per_step(ro.groups_per_step, ro.over_sampling)
+        self.budget: int | None = staleness.run_budget(recipe.run.steps, self.per_step)  # None: lifted by the driver
         self.policy = recipe.staleness.partial_rollout
         self.started = 0  # admitted groups still counting against capacity (filtered ones release)
         self.inflight: dict[str, asyncio.Task[None]] = {}
@@ -104,15 +106,24 @@ class RolloutWorker:
         self._wake.set()
 
     def capacity(self) -> int:
-        """This worker's share of the admission capacity."""
-        total = staleness.admission_capacity(self.version, self.max_staleness, self.r.rollout.groups_per_step)
+        """This worker's share of the admission capacity, within the run's budget."""
+        total = staleness.admission_capacity(self.version, self.max_staleness, self.per_step)
+        return self._share(total if self.budget is None else min(total, self.budget))
+
+    def _share(self, total: int) -> int:
         shares = staleness.capacity_shares(self.r.rollout.workers, self.r.producer_api.enabled)
         return staleness.capacity_share(total, self.index, shares)
 
+    def lift_budget(self) -> None:
+        """Admit beyond the run's budget (the learner dropped groups, so it needs more)."""
+        self.budget = None
+        self._wake.set()
+
     def report(self) -> dict[str, Any]:
+        spent = self.budget is not None and self.started >= self._share(self.budget)
         return {"producer": self.producer_id, "version": self.version, "started": self.started,
                 "inflight": len(self.inflight), "accepted": self._accepted, "exhausted": self.exhausted,
-                "data_state": self._admitted_state, "drops": dict(self.drops), **self.stats}
+                "budget_spent": spent, "data_state": self._admitted_state, "drops": dict(self.drops), **self.stats}
 
     async def stop(self) -> None:
         """Stop starting groups and wait for the ones in flight (their partials are saved)."""
@@ -421,6 +432,9 @@ class _ActorWorker:
 
     async def report(self) -> dict[str, Any]:
         return (await self._worker()).report()
+
+    async def lift_budget(self) -> None:
+        (await self._worker()).lift_budget()
 
     async def stop(self) -> dict[str, Any]:
         w = await self._worker()

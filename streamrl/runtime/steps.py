@@ -9,6 +9,7 @@ import asyncio
 import time
 from typing import Any
 
+from streamrl.core import staleness
 from streamrl.core.types import BatchClaimed
 from streamrl.runtime import RunFailed
 from streamrl.runtime.inputs import eval_records
@@ -20,6 +21,8 @@ class Runtime:
     def __init__(self, svc: Services) -> None:
         self.svc, self.r, self.log = svc, svc.r, svc.log
         self.eta = svc.eta
+        ro = svc.r.rollout
+        self.per_step = staleness.claimed_per_step(ro.groups_per_step, ro.over_sampling)  # groups a step claims
         self.start_step = svc.start_step  # the first step this process trains (> 0 when resuming)
         self.wall_offset = svc.wall_offset
         self.version = svc.version
@@ -67,13 +70,15 @@ class Runtime:
             if m is not None:
                 break
             stopped = await self.svc.crew.check_streams() if streams else False
+            if streams and not stopped:
+                await self._lift_budget_if_starved(step)
             if not streams and time.perf_counter() - waited > 30:  # only external producers feed this run
                 waited = time.perf_counter()
                 self.log.info(f"step {step}: waiting for external producers to submit groups "
                               f"({self.svc.dir / 'producer.json'} has the URL)")
             if stopped:
                 reports = await self.svc.crew.reports()
-                raise RunFailed(f"step {step}: no batch of {self.r.rollout.groups_per_step} groups can be formed and "
+                raise RunFailed(f"step {step}: no batch of {self.per_step} groups can be formed and "
                                 f"the rollout workers have stopped (out of prompts: "
                                 f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
             task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, 5.0))
@@ -101,6 +106,18 @@ class Runtime:
         m["groups_resumed"] = sum(x.get("resumed_groups", 0) + x.get("restarted_groups", 0) for x in reports)
         self._reports = reports
         return m
+
+    async def _lift_budget_if_starved(self, step: int) -> None:
+        """Streaming admits only the groups the run's steps consume; when the learner dropped some
+        (stale, over-sampling, a group that raised) and every worker has spent its budget with
+        nothing in flight, no batch can form: let the workers admit beyond it."""
+        if self.svc.crew.budget_lifted:
+            return
+        reports = await self.svc.crew.reports()
+        if reports and all(x.get("budget_spent") and not x.get("inflight") for x in reports):
+            self.log.info(f"step {step}: the workers have started the {staleness.run_budget(self.r.run.steps, self.per_step)} "
+                          "groups this run consumes but some were not trained on (dropped); admitting more")
+            await self.svc.crew.lift_budget()
 
     async def publish(self, step: int, metrics: dict[str, Any], interrupt: bool) -> None:
         """Push the learner's new version to every engine, then let the workers admit under it."""
