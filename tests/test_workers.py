@@ -193,16 +193,35 @@ def test_a_worker_that_dies_every_time_it_starts_ends_the_run(tmp_path: Path, ra
 
 
 class _StarvedCrew:
-    """What `Runtime._lift_budget_if_starved` sees of the crew: its reports and the lift."""
+    """What `Runtime` sees of the crew while it waits for a batch: reports, the budget calls."""
 
     def __init__(self, reports: list[dict[str, Any]]) -> None:
-        self.rows, self.budget_lifted, self.lifts = reports, False, 0
+        self.rows, self.budget_lifted, self.lifts, self.added, self.restarts = reports, False, 0, [], 0
 
     async def reports(self) -> list[dict[str, Any]]:
         return self.rows
 
     async def lift_budget(self) -> None:
         self.budget_lifted, self.lifts = True, self.lifts + 1
+
+    async def add_budget(self, groups: int) -> None:
+        self.added.append(groups)
+
+    async def check_streams(self) -> bool:
+        return False
+
+
+def _runtime(tmp_path: Path, crew: Any, learner: Any = None) -> Any:
+    from types import SimpleNamespace
+
+    from streamrl.recipe import load_recipe
+    from streamrl.runtime.runlog import RunLog
+    from streamrl.runtime.steps import Runtime
+
+    r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
+    svc = SimpleNamespace(r=r, log=RunLog(tmp_path, echo=False), eta=2, start_step=0, wall_offset=0.0, version=0,
+                          crew=crew, learner=learner, engines=SimpleNamespace(restarts=0), dir=tmp_path)
+    return Runtime(svc)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("rows, lifted", [
@@ -212,17 +231,8 @@ class _StarvedCrew:
 ], ids=["starved", "in-flight", "room-left"])
 def test_streaming_admits_beyond_the_budget_only_when_no_batch_can_form(tmp_path: Path, rows: list[dict[str, Any]],
                                                                         lifted: bool) -> None:
-    from types import SimpleNamespace
-
-    from streamrl.recipe import load_recipe
-    from streamrl.runtime.runlog import RunLog
-    from streamrl.runtime.steps import Runtime
-
-    r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
     crew = _StarvedCrew(rows)
-    svc = SimpleNamespace(r=r, log=RunLog(tmp_path, echo=False), eta=2, start_step=0, wall_offset=0.0, version=0,
-                          crew=crew)
-    rt = Runtime(svc)  # type: ignore[arg-type]
+    rt = _runtime(tmp_path, crew)
 
     async def main() -> None:
         await rt._lift_budget_if_starved(7)
@@ -232,3 +242,29 @@ def test_streaming_admits_beyond_the_budget_only_when_no_batch_can_form(tmp_path
     assert crew.lifts == (1 if lifted else 0)
     log = tmp_path / "run.log"
     assert ("admitting more" in (log.read_text() if log.exists() else "")) == lifted
+
+
+def test_stale_drops_raise_the_budget_and_the_wait_counts_every_poll(tmp_path: Path) -> None:
+    """A step whose claim dropped 2 stale groups adds 2 to what the workers may admit; the step's
+    wait is the whole time the driver polled, not only the learner's last call."""
+    from types import SimpleNamespace
+
+    class Learner:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def _answer(self) -> dict[str, Any] | None:
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(0.3)  # no batch within the poll
+                return None
+            return {"policy_version": 1, "groups": ["a", "b"], "dropped_ids": ["x", "y"], "dropped_stale": 2,
+                    "wait_s": 0.01}
+
+    learner = Learner()
+    learner.train_step = SimpleNamespace(remote=lambda *a: learner._answer())  # type: ignore[attr-defined]
+    crew = _StarvedCrew([{"budget_spent": False, "inflight": 3, "gen_tokens": 5, "drops": {}}])
+    rt = _runtime(tmp_path, crew, learner)
+    m = asyncio.run(rt.train_step(0, streams=["a stream"]))
+    assert crew.added == [2] and crew.lifts == 0
+    assert m["wait_s"] >= 0.3, m["wait_s"]

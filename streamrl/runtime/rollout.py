@@ -114,8 +114,14 @@ class RolloutWorker:
         shares = staleness.capacity_shares(self.r.rollout.workers, self.r.producer_api.enabled)
         return staleness.capacity_share(total, self.index, shares)
 
+    def add_budget(self, groups: int) -> None:
+        """The learner dropped `groups` stale groups: the run needs as many more."""
+        if self.budget is not None:
+            self.budget += groups
+            self._wake.set()
+
     def lift_budget(self) -> None:
-        """Admit beyond the run's budget (the learner dropped groups, so it needs more)."""
+        """Admit beyond the run's budget (the learner dropped groups nobody counted, so it needs more)."""
         self.budget = None
         self._wake.set()
 
@@ -435,6 +441,9 @@ class _ActorWorker:
 
     async def lift_budget(self) -> None:
         (await self._worker()).lift_budget()
+
+    async def add_budget(self, groups: int) -> None:
+        (await self._worker()).add_budget(groups)
 
     async def stop(self) -> dict[str, Any]:
         w = await self._worker()

@@ -17,6 +17,9 @@ from streamrl.runtime.runlog import now_ns
 from streamrl.runtime.services import Services
 
 
+POLL_S = 1.0  # the learner waits this long for a batch before the driver looks at the workers
+
+
 class Runtime:
     def __init__(self, svc: Services) -> None:
         self.svc, self.r, self.log = svc, svc.r, svc.log
@@ -63,11 +66,12 @@ class Runtime:
     async def train_step(self, step: int, streams: list[Any] | None = None) -> dict[str, Any]:
         """Claim a batch and train on it; the learner's version moves to step + 1."""
         learner = self.svc.learner
-        task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, 5.0))
-        waited = time.perf_counter()
+        task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, POLL_S))
+        waited = t0 = asked = time.perf_counter()
         while True:  # poll: a worker that stopped with an error ends the run, one whose actor died starts again
             m = await task
             if m is not None:
+                m["wait_s"] = m.get("wait_s", 0.0) + (asked - t0)  # the learner counts only the last call's wait
                 break
             stopped = await self.svc.crew.check_streams() if streams else False
             if streams and not stopped:
@@ -81,8 +85,11 @@ class Runtime:
                 raise RunFailed(f"step {step}: no batch of {self.per_step} groups can be formed and "
                                 f"the rollout workers have stopped (out of prompts: "
                                 f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
-            task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, 5.0))
+            asked = time.perf_counter()
+            task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, POLL_S))
         self.version = m["policy_version"]
+        if streams and m.get("dropped_stale") and not self.svc.crew.budget_lifted:
+            await self.svc.crew.add_budget(m["dropped_stale"])  # the run still needs as many groups again
         if m.get("nonfinite_skipped"):
             self.log.warn(f"step {step}: {m['nonfinite_skipped']} optimizer step(s) skipped, loss or gradient norm not "
                           f"finite (loss {m.get('loss')}, grad norm {m.get('grad_norm')}); the weights did not change "

@@ -36,6 +36,7 @@ class Crew:
         self.streams: list[Any] | None = None  # stream() refs, in stream mode
         self.restarts = 0
         self.budget_lifted = False  # streaming: the workers admit beyond the run's budget
+        self.budget_added = 0  # streaming: groups added to the run's budget (the learner dropped as many)
         self._restarts_of = [0] * len(states)
 
     async def start(self) -> None:
@@ -73,6 +74,8 @@ class Crew:
         a.set_version.remote(self.version, self.eta)  # queued: it runs once the actor is placed
         if self.budget_lifted:
             a.lift_budget.remote()
+        elif self.budget_added:
+            a.add_budget.remote(self.budget_added)
         self._placing[i] = a.ready.remote()
         if self.streams is not None:
             self.streams[i] = a.stream.remote()
@@ -110,6 +113,10 @@ class Crew:
     async def lift_budget(self) -> None:
         self.budget_lifted = True
         await self.call("lift_budget")
+
+    async def add_budget(self, groups: int) -> None:
+        self.budget_added += groups
+        await self.call("add_budget", groups)
 
     async def reports(self) -> list[dict[str, Any]]:
         """Every worker's report (the newest one for a worker not up), totals over its restarts."""
