@@ -67,6 +67,7 @@ class Claimer:
         self.stable = False  # the pool table has stable row ids (each row knows the version that wrote it)
         self.rows_read = 0  # rows read to keep the ready set up to date, since this object was made
         self.rows_scanned = 0  # rows in the fragments those reads filtered (what they cost)
+        self.stale_dropped = 0  # groups this object dropped as stale (streaming admits as many more)
         self._claims_ds: Any = None
 
     def _rows(self, ds: Any, where: str, fragments: list[Any] | None = None) -> pa.Table:
@@ -150,3 +151,4 @@ class Claimer:
         except BaseException:
             self.ready = None  # not committed: read the truth again at the next claim
             raise
+        self.stale_dropped += sum(reason == "stale" for _, _, reason in decisions)

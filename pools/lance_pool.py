@@ -328,10 +328,10 @@ class LancePool:
         """How the claim keeps up: `rows_read` (rows read to track ready groups, in total),
         `rows_scanned` (rows in the fragments those reads filtered: what they cost),
         `ready` (complete groups waiting), `broken` (groups set aside, see ReadySet),
-        `incremental` (False for a pool from before stable row ids: every claim reads it whole)."""
+        `incremental` (False for a pool from before stable row ids: every claim reads it whole), `stale_dropped`."""
         c, r = self._claimer, self._claimer.ready
         return {"rows_read": c.rows_read, "rows_scanned": c.rows_scanned, "ready": 0 if r is None else len(r),
-                "broken": 0 if r is None else len(r.broken), "incremental": c.stable}
+                "broken": 0 if r is None else len(r.broken), "incremental": c.stable, "stale_dropped": c.stale_dropped}
 
     def compact(self) -> None:
         """Merge small fragments into ~16k-row ones (bounded, so a big fragment is not

@@ -56,6 +56,7 @@ def test_filters_on_what_claims_decide(pool: LancePool) -> None:
     got = pool.scan(["uid", "response_tokens"], where=where)
     assert sorted(got["uid"].to_pylist()) == ["f2/0", "f2/1", "f3/0", "f3/1", "f4/0", "f4/1"]
     assert pool.count(where) == 6 and pool.count("status = 'dropped' AND drop_reason = 'stale'") == 4
+    assert pool.claim_stats()["stale_dropped"] == 2  # groups (2 rows each): what streaming admits again
     batches = list(pool.reader(["uid", "consumed_step"], where="consumed_step = 1", batch_rows=1))
     streamed = pa.Table.from_batches(batches)
     assert streamed.num_rows == 2 and streamed["consumed_step"].to_pylist() == [1, 1]

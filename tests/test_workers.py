@@ -245,8 +245,9 @@ def test_streaming_admits_beyond_the_budget_only_when_no_batch_can_form(tmp_path
 
 
 def test_stale_drops_raise_the_budget_and_the_wait_counts_every_poll(tmp_path: Path) -> None:
-    """A step whose claim dropped 2 stale groups adds 2 to what the workers may admit; the step's
-    wait is the whole time the driver polled, not only the learner's last call."""
+    """Every group the learner drops as stale (1 while it waited for a batch, 1 more in the claim
+    that formed it) adds one to what the workers may admit; the step's wait is the whole time the
+    driver polled, not only the learner's last call."""
     from types import SimpleNamespace
 
     class Learner:
@@ -258,13 +259,17 @@ def test_stale_drops_raise_the_budget_and_the_wait_counts_every_poll(tmp_path: P
             if self.calls == 1:
                 await asyncio.sleep(0.3)  # no batch within the poll
                 return None
-            return {"policy_version": 1, "groups": ["a", "b"], "dropped_ids": ["x", "y"], "dropped_stale": 2,
-                    "wait_s": 0.01}
+            return {"policy_version": 1, "groups": ["a", "b"], "dropped_ids": ["y"], "dropped_stale": 1,
+                    "stale_dropped_total": 2, "wait_s": 0.01}
+
+        async def _dropped(self) -> int:
+            return 1
 
     learner = Learner()
     learner.train_step = SimpleNamespace(remote=lambda *a: learner._answer())  # type: ignore[attr-defined]
+    learner.stale_dropped = SimpleNamespace(remote=lambda: learner._dropped())  # type: ignore[attr-defined]
     crew = _StarvedCrew([{"budget_spent": False, "inflight": 3, "gen_tokens": 5, "drops": {}}])
     rt = _runtime(tmp_path, crew, learner)
     m = asyncio.run(rt.train_step(0, streams=["a stream"]))
-    assert crew.added == [2] and crew.lifts == 0
+    assert crew.added == [1, 1] and crew.lifts == 0
     assert m["wait_s"] >= 0.3, m["wait_s"]

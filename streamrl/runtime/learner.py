@@ -266,7 +266,8 @@ class LearnerDriver(WeightSource):
         wait_s = time.perf_counter() - t_wait
         batch.groups = batch_order(batch.groups)
         rows, rewards = learner_rows(batch.groups, self.r.learner.advantage)
-        m = self._train(step, self._share(rows) or [], {"wait_s": wait_s, **batch_metrics(batch, rewards)})
+        m = self._train(step, self._share(rows) or [], {"wait_s": wait_s, **batch_metrics(batch, rewards),
+                                                       "stale_dropped_total": self.stale_dropped()})
         if self.r.run.eval_mode == "background" and eval_due(self.r.run, self.version):
             assert self._snapshot is not None
             self._pinned[self.version] = self._snapshot  # kept whole until `export(..., version)` takes it
@@ -307,6 +308,10 @@ class LearnerDriver(WeightSource):
         return self._train(step, self._share(rows) or [], {
             "groups": [g.group_id for g in groups], "samples": sum(len(g.samples) for g in groups),
             "reward_mean": float(np.mean(rewards)) if rewards else float("nan")})
+
+    def stale_dropped(self) -> int:
+        """Groups this learner's claims dropped as stale, waiting claims included (rank 0)."""
+        return self.pool.claim_stats()["stale_dropped"] if self.pool is not None else 0
 
     def consumed_steps(self, first: int = 0, last: int | None = None) -> dict[int, list[str]]:
         assert self.pool is not None

@@ -26,6 +26,7 @@ class Runtime:
         self.eta = svc.eta
         ro = svc.r.rollout
         self.per_step = staleness.claimed_per_step(ro.groups_per_step, ro.over_sampling)  # groups a step claims
+        self._stale_seen = 0  # the learner's stale drops the budget has grown by
         self.start_step = svc.start_step  # the first step this process trains (> 0 when resuming)
         self.wall_offset = svc.wall_offset
         self.version = svc.version
@@ -75,6 +76,7 @@ class Runtime:
                 break
             stopped = await self.svc.crew.check_streams() if streams else False
             if streams and not stopped:
+                await self._count_stale_drops(await learner.stale_dropped.remote())  # a waiting claim drops too
                 await self._lift_budget_if_starved(step)
             if not streams and time.perf_counter() - waited > 30:  # only external producers feed this run
                 waited = time.perf_counter()
@@ -88,8 +90,8 @@ class Runtime:
             asked = time.perf_counter()
             task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, POLL_S))
         self.version = m["policy_version"]
-        if streams and m.get("dropped_stale") and not self.svc.crew.budget_lifted:
-            await self.svc.crew.add_budget(m["dropped_stale"])  # the run still needs as many groups again
+        if streams:
+            await self._count_stale_drops(m.get("stale_dropped_total", 0))
         if m.get("nonfinite_skipped"):
             self.log.warn(f"step {step}: {m['nonfinite_skipped']} optimizer step(s) skipped, loss or gradient norm not "
                           f"finite (loss {m.get('loss')}, grad norm {m.get('grad_norm')}); the weights did not change "
@@ -114,10 +116,19 @@ class Runtime:
         self._reports = reports
         return m
 
+    async def _count_stale_drops(self, total: int) -> None:
+        """Streaming admits what the run's steps claim; each group the learner dropped as stale
+        (it waited too long behind slower ones) must be made again, so the budget grows by it."""
+        crew = self.svc.crew
+        if total > self._stale_seen and not crew.budget_lifted:
+            await crew.add_budget(total - self._stale_seen)
+        self._stale_seen = max(self._stale_seen, total)
+
     async def _lift_budget_if_starved(self, step: int) -> None:
-        """Streaming admits only the groups the run's steps consume; when the learner dropped some
-        (stale, over-sampling, a group that raised) and every worker has spent its budget with
-        nothing in flight, no batch can form: let the workers admit beyond it."""
+        """Streaming admits only the groups the run's steps consume (plus the stale drops counted
+        above); when groups went missing otherwise (a group that raised stays admitted) and every
+        worker has spent its budget with nothing in flight, no batch can form: let the workers
+        admit beyond it."""
         if self.svc.crew.budget_lifted:
             return
         reports = await self.svc.crew.reports()
