@@ -36,7 +36,6 @@ class Crew:
         self.streams: list[Any] | None = None  # stream() refs, in stream mode
         self.restarts = 0
         self.budget_lifted = False  # streaming: the workers admit beyond the run's budget
-        self.budget_added = 0  # streaming: groups added to the run's budget (the learner dropped as many)
         self._restarts_of = [0] * len(states)
 
     async def start(self) -> None:
@@ -72,10 +71,8 @@ class Crew:
         self.last[i] = None
         a = self.actors[i] = self.spawn(i, self.version, self._states[i])
         a.set_version.remote(self.version, self.eta)  # queued: it runs once the actor is placed
-        if self.budget_lifted:
+        if self.budget_lifted:  # (stale drops so far need no add: a new worker does not count them as started)
             a.lift_budget.remote()
-        elif self.budget_added:
-            a.add_budget.remote(self.budget_added)
         self._placing[i] = a.ready.remote()
         if self.streams is not None:
             self.streams[i] = a.stream.remote()
@@ -115,7 +112,6 @@ class Crew:
         await self.call("lift_budget")
 
     async def add_budget(self, groups: int) -> None:
-        self.budget_added += groups
         await self.call("add_budget", groups)
 
     async def reports(self) -> list[dict[str, Any]]:
