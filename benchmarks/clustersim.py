@@ -1,7 +1,7 @@
 """A discrete-event model of a StreamRL cluster in virtual time.
 
 The scheduling is StreamRL's own: admission control and its split between rollout workers
-(`staleness.admission_capacity`, `capacity_share`), the learner's claim (`staleness.select_groups`,
+(`staleness.admission_capacity` within the run's `run_budget`, `capacity_share`), the learner's claim (`staleness.select_groups`,
 oldest started first, whole groups, the consumption policy), partial-rollout transitions
 (`partial.Trajectory`, `next_request`, `absorb`) and the ledger (`ledger.compute_ledger`). The
 three loops below read like `streamrl/loop.py`. What is modelled instead of run: engines
@@ -294,6 +294,8 @@ class Run:
         self.version = 0  # published; the workers admit under it
         self.started = [0] * w.workers
         self.inflight = [0] * w.workers
+        # Streaming admits only what the run's steps claim, plus what the learner drops as stale.
+        self.budget = staleness.run_budget(w.steps, w.groups_per_step)
         self.streaming = False
         self.groups: list[Group] = []
         self.complete: dict[int, Group] = {}  # seq -> group, waiting to be claimed
@@ -305,7 +307,8 @@ class Run:
 
     # ---- rollout workers (streamrl/runtime/rollout.py)
     def _capacity(self, i: int) -> int:
-        total = staleness.admission_capacity(self.version, self.w.max_staleness, self.w.groups_per_step)
+        total = min(self.budget, staleness.admission_capacity(self.version, self.w.max_staleness,
+                                                              self.w.groups_per_step))
         return staleness.capacity_share(total, i, staleness.capacity_shares(self.w.workers, False))
 
     def _pump(self) -> None:
@@ -395,6 +398,9 @@ class Run:
             g.status = "dropped"
             del self.complete[g.seq]
             self.wasted_blocks += sum(len(r.traj.tokens) for r in g.requests)
+        if drop:  # the driver grows the workers' budget by the learner's stale drops
+            self.budget += len(drop)
+            self._pump()
         if len(take) < self.w.groups_per_step:
             return None
         out = []

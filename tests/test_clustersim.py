@@ -62,8 +62,10 @@ def test_stream_keeps_the_bound_and_the_ledger(eta, partial):
     assert r["staleness_max"] <= eta
     assert led["lost"] == led["duplicated"] == led["unadmitted"] == 0
     assert led["consumed"] == w.steps * w.groups_per_step
-    # Admission control: never more started than (V + eta + 1) * groups_per_step at the last version.
+    # Admission control: never more started than (V + eta + 1) * groups_per_step at the last version,
+    # and no more than the run's steps claim plus what the learner dropped: nothing is left over.
     assert led["admitted"] <= (w.steps + eta + 1) * w.groups_per_step
+    assert led["admitted"] == led["consumed"] + led["dropped"] and led["complete"] == led["in_flight"] == 0
     assert (r["interrupted_calls"] == 0) == (partial == "in_place")
 
 
