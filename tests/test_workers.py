@@ -196,13 +196,10 @@ class _StarvedCrew:
     """What `Runtime` sees of the crew while it waits for a batch: reports, the budget calls."""
 
     def __init__(self, reports: list[dict[str, Any]]) -> None:
-        self.rows, self.budget_lifted, self.lifts, self.added, self.restarts = reports, False, 0, [], 0
+        self.rows, self.added, self.restarts = reports, [], 0
 
     async def reports(self) -> list[dict[str, Any]]:
         return self.rows
-
-    async def lift_budget(self) -> None:
-        self.budget_lifted, self.lifts = True, self.lifts + 1
 
     async def add_budget(self, groups: int) -> None:
         self.added.append(groups)
@@ -224,24 +221,27 @@ def _runtime(tmp_path: Path, crew: Any, learner: Any = None) -> Any:
     return Runtime(svc)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("rows, lifted", [
+@pytest.mark.parametrize("rows, starved", [
     ([{"budget_spent": True, "inflight": 0}, {"budget_spent": True, "inflight": 0}], True),
     ([{"budget_spent": True, "inflight": 0}, {"budget_spent": True, "inflight": 2}], False),  # a group may finish
     ([{"budget_spent": True, "inflight": 0}, {"budget_spent": False, "inflight": 0}], False),  # one may admit more
 ], ids=["starved", "in-flight", "room-left"])
-def test_streaming_admits_beyond_the_budget_only_when_no_batch_can_form(tmp_path: Path, rows: list[dict[str, Any]],
-                                                                        lifted: bool) -> None:
+def test_streaming_admits_one_more_step_only_when_no_batch_can_form(tmp_path: Path, rows: list[dict[str, Any]],
+                                                                    starved: bool) -> None:
+    """Each poll that finds every worker's budget spent with nothing in flight grows the budget by
+    one step's claim (the fake's reports never change, so both polls find it so)."""
     crew = _StarvedCrew(rows)
     rt = _runtime(tmp_path, crew)
 
     async def main() -> None:
-        await rt._lift_budget_if_starved(7)
-        await rt._lift_budget_if_starved(7)
+        await rt._grow_budget_if_starved(7)
+        await rt._grow_budget_if_starved(7)
 
     asyncio.run(main())
-    assert crew.lifts == (1 if lifted else 0)
+    assert crew.added == ([rt.per_step] * 2 if starved else [])
+    assert rt.per_step == 16  # the quick-start recipe's groups_per_step, not over-sampled
     log = tmp_path / "run.log"
-    assert ("admitting more" in (log.read_text() if log.exists() else "")) == lifted
+    assert ("admitting 16 more" in (log.read_text() if log.exists() else "")) == starved
 
 
 def test_stale_drops_raise_the_budget_and_the_wait_counts_every_poll(tmp_path: Path) -> None:
@@ -271,5 +271,5 @@ def test_stale_drops_raise_the_budget_and_the_wait_counts_every_poll(tmp_path: P
     crew = _StarvedCrew([{"budget_spent": False, "inflight": 3, "gen_tokens": 5, "drops": {}}])
     rt = _runtime(tmp_path, crew, learner)
     m = asyncio.run(rt.train_step(0, streams=["a stream"]))
-    assert crew.added == [1, 1] and crew.lifts == 0
+    assert crew.added == [1, 1]
     assert m["wait_s"] >= 0.3, m["wait_s"]

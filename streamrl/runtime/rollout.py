@@ -83,7 +83,7 @@ class RolloutWorker:
         self.version = version
         self.max_staleness = recipe.staleness.max_staleness
         self.per_step = staleness.claimed_per_step(ro.groups_per_step, ro.over_sampling)
-        self.budget: int | None = staleness.run_budget(recipe.run.steps, self.per_step)  # None: lifted by the driver
+        self.budget = staleness.run_budget(recipe.run.steps, self.per_step)  # grown by the driver (add_budget)
         self.policy = recipe.staleness.partial_rollout
         self.started = 0  # admitted groups still counting against capacity (filtered ones release)
         self.inflight: dict[str, asyncio.Task[None]] = {}
@@ -108,25 +108,20 @@ class RolloutWorker:
     def capacity(self) -> int:
         """This worker's share of the admission capacity, within the run's budget."""
         total = staleness.admission_capacity(self.version, self.max_staleness, self.per_step)
-        return self._share(total if self.budget is None else min(total, self.budget))
+        return self._share(min(total, self.budget))
 
     def _share(self, total: int) -> int:
         shares = staleness.capacity_shares(self.r.rollout.workers, self.r.producer_api.enabled)
         return staleness.capacity_share(total, self.index, shares)
 
     def add_budget(self, groups: int) -> None:
-        """The learner dropped `groups` stale groups: the run needs as many more."""
-        if self.budget is not None:
-            self.budget += groups
-            self._wake.set()
-
-    def lift_budget(self) -> None:
-        """Admit beyond the run's budget (the learner dropped groups nobody counted, so it needs more)."""
-        self.budget = None
+        """The run needs `groups` more than its steps claim (the learner dropped them as stale, or
+        no batch could form within the budget)."""
+        self.budget += groups
         self._wake.set()
 
     def report(self) -> dict[str, Any]:
-        spent = self.budget is not None and self.started >= self._share(self.budget)
+        spent = self.started >= self._share(self.budget)
         return {"producer": self.producer_id, "version": self.version, "started": self.started,
                 "inflight": len(self.inflight), "accepted": self._accepted, "exhausted": self.exhausted,
                 "budget_spent": spent, "data_state": self._admitted_state, "drops": dict(self.drops), **self.stats}
@@ -438,9 +433,6 @@ class _ActorWorker:
 
     async def report(self) -> dict[str, Any]:
         return (await self._worker()).report()
-
-    async def lift_budget(self) -> None:
-        (await self._worker()).lift_budget()
 
     async def add_budget(self, groups: int) -> None:
         (await self._worker()).add_budget(groups)

@@ -77,7 +77,7 @@ class Runtime:
             stopped = await self.svc.crew.check_streams() if streams else False
             if streams and not stopped:
                 await self._count_stale_drops(await learner.stale_dropped.remote())  # a waiting claim drops too
-                await self._lift_budget_if_starved(step)
+                await self._grow_budget_if_starved(step)
             if not streams and time.perf_counter() - waited > 30:  # only external producers feed this run
                 waited = time.perf_counter()
                 self.log.info(f"step {step}: waiting for external producers to submit groups "
@@ -120,22 +120,21 @@ class Runtime:
         """Streaming admits what the run's steps claim; each group the learner dropped as stale
         (it waited too long behind slower ones) must be made again, so the budget grows by it."""
         crew = self.svc.crew
-        if total > self._stale_seen and not crew.budget_lifted:
+        if total > self._stale_seen:
             await crew.add_budget(total - self._stale_seen)
         self._stale_seen = max(self._stale_seen, total)
 
-    async def _lift_budget_if_starved(self, step: int) -> None:
+    async def _grow_budget_if_starved(self, step: int) -> None:
         """Streaming admits only the groups the run's steps consume (plus the stale drops counted
         above); when groups went missing otherwise (a group that raised stays admitted) and every
-        worker has spent its budget with nothing in flight, no batch can form: let the workers
-        admit beyond it."""
-        if self.svc.crew.budget_lifted:
-            return
+        worker has spent its budget with nothing in flight, no batch can form: the workers may
+        admit one step's claim more, and again at a later poll if that is still not enough (so
+        the run ends with less than a step's surplus, where lifting the budget gave eta + 1)."""
         reports = await self.svc.crew.reports()
         if reports and all(x.get("budget_spent") and not x.get("inflight") for x in reports):
-            self.log.info(f"step {step}: the workers have started the {staleness.run_budget(self.r.run.steps, self.per_step)} "
-                          "groups this run consumes but some were not trained on (dropped); admitting more")
-            await self.svc.crew.lift_budget()
+            self.log.info(f"step {step}: the workers have started every group this run's budget allows but "
+                          f"some were not trained on (failed or dropped); admitting {self.per_step} more")
+            await self.svc.crew.add_budget(self.per_step)
 
     async def publish(self, step: int, metrics: dict[str, Any], interrupt: bool) -> None:
         """Push the learner's new version to every engine, then let the workers admit under it."""

@@ -35,7 +35,6 @@ class Crew:
         self._placing: dict[int, Any] = {}  # restarted workers not up yet: index -> their ready() ref
         self.streams: list[Any] | None = None  # stream() refs, in stream mode
         self.restarts = 0
-        self.budget_lifted = False  # streaming: the workers admit beyond the run's budget
         self._restarts_of = [0] * len(states)
 
     async def start(self) -> None:
@@ -71,8 +70,6 @@ class Crew:
         self.last[i] = None
         a = self.actors[i] = self.spawn(i, self.version, self._states[i])
         a.set_version.remote(self.version, self.eta)  # queued: it runs once the actor is placed
-        if self.budget_lifted:  # (stale drops so far need no add: a new worker does not count them as started)
-            a.lift_budget.remote()
         self._placing[i] = a.ready.remote()
         if self.streams is not None:
             self.streams[i] = a.stream.remote()
@@ -106,10 +103,6 @@ class Crew:
     async def set_version(self, version: int) -> None:
         self.version = version
         await self.call("set_version", version, self.eta)
-
-    async def lift_budget(self) -> None:
-        self.budget_lifted = True
-        await self.call("lift_budget")
 
     async def add_budget(self, groups: int) -> None:
         await self.call("add_budget", groups)
