@@ -23,7 +23,7 @@ class _Toy:
         if die_at_start:
             os._exit(1)
         self.i, self.v, self.state, self.eta = index, version, state or {}, None
-        self.made, self.stopping, self.die_in_generate = 0, False, die_in_generate
+        self.made, self.stopping, self.die_in_generate, self.split = 0, False, die_in_generate, None
 
     async def ready(self) -> dict[str, Any]:
         return await self.report()
@@ -32,7 +32,10 @@ class _Toy:
         return {"producer": f"toy-{self.i}", "version": self.v, "eta": [self.eta], "started": self.made,
                 "inflight": 0, "accepted": self.made, "gen_tokens": 10 * self.made, "drops": {"short": self.made},
                 "exhausted": False, "data_state": {"pos": self.state.get("pos", 0) + self.made},
-                "born_with": dict(self.state)}
+                "born_with": dict(self.state), "split": self.split}
+
+    async def set_split(self, live_index: int, live: int, reserved: int) -> None:
+        self.split = [live_index, live, reserved]
 
     async def set_version(self, version: int, eta: int | None = None) -> None:
         self.v, self.eta = max(self.v, version), eta
@@ -69,7 +72,7 @@ def ray_local():
 
 
 def _crew(tmp_path: Path, n: int, spawned: list[tuple[int, int, Any]], placeable: Any = lambda k: True,
-          dies: Any = lambda k: False, dies_at_start: Any = lambda k: False) -> Any:
+          dies: Any = lambda k: False, dies_at_start: Any = lambda k: False, handover_s: float = 60.0) -> Any:
     import ray
 
     from streamrl.runtime.runlog import RunLog
@@ -83,7 +86,7 @@ def _crew(tmp_path: Path, n: int, spawned: list[tuple[int, int, Any]], placeable
         opts = {} if placeable(k) else {"resources": {"no_such_node": 1}}
         return toy.options(**opts).remote(i, version, state, dies(k), dies_at_start(k))
 
-    return Crew(spawn, [None] * n, version=3, eta=2, log=RunLog(tmp_path, echo=False))
+    return Crew(spawn, [None] * n, version=3, eta=2, log=RunLog(tmp_path, echo=False), handover_s=handover_s)
 
 
 async def _until(cond: Any, timeout_s: float = 30.0) -> None:
@@ -170,6 +173,45 @@ def test_nothing_waits_on_a_worker_ray_cannot_place_yet(tmp_path: Path, ray_loca
     asyncio.run(main())
 
 
+def test_a_worker_not_placed_again_is_handed_over_to_the_live_ones(tmp_path: Path, ray_local: None) -> None:
+    """Worker 2 of 3 dies and no node takes it: after handover_s the live workers 0 and 1 split
+    the capacity less what worker 2 had started, and a worker 0 restarted later gets its part again."""
+    import ray
+
+    async def main() -> None:
+        spawned: list[tuple[int, int, Any]] = []
+        crew = _crew(tmp_path, 3, spawned, placeable=lambda k: k < 3 or k == 4, handover_s=1.0)  # k=3: worker 2 again
+        await crew.start()
+        crew.start_streaming()
+        await asyncio.sleep(0.2)
+        before = await crew.reports()
+        ray.kill(crew.actors[2], no_restart=True)
+        await _until(lambda: _restarted(crew))
+        await crew.hand_over_lost()
+        assert not crew.handed_over  # not lost for long enough yet
+        await asyncio.sleep(1.1)
+        await crew.hand_over_lost()
+        assert crew.handed_over == {2}
+        started = before[2]["started"]
+        assert started > 0
+        reports = await crew.reports()
+        assert [r["split"] for r in reports[:2]] == [[0, 2, started], [1, 2, started]]
+        assert "rollout worker(s) 2 not placed again for 1 s: workers 0, 1 take over" in (tmp_path / "run.log").read_text()
+        await crew.hand_over_lost()  # nothing more to hand over
+        ray.kill(crew.actors[0], no_restart=True)  # worker 0 dies too: its new actor (k=4) gets its part
+        await _until(lambda: _restarted_n(crew, 2))
+        await _until(lambda: _up(crew, 0))
+        assert (await crew.reports())[0]["split"] == [0, 2, started]
+        await asyncio.wait_for(crew.stop(), 10)
+
+    asyncio.run(main())
+
+
+async def _restarted_n(crew: Any, n: int) -> bool:
+    await crew.check_streams()
+    return crew.restarts == n
+
+
 def test_a_worker_that_dies_every_time_it_starts_ends_the_run(tmp_path: Path, ray_local: None) -> None:
     import ray
 
@@ -203,6 +245,9 @@ class _StarvedCrew:
 
     async def add_budget(self, groups: int) -> None:
         self.added.append(groups)
+
+    async def hand_over_lost(self) -> None:
+        pass
 
     async def check_streams(self) -> bool:
         return False
@@ -273,3 +318,22 @@ def test_stale_drops_raise_the_budget_and_the_wait_counts_every_poll(tmp_path: P
     m = asyncio.run(rt.train_step(0, streams=["a stream"]))
     assert crew.added == [1, 1]
     assert m["wait_s"] >= 0.3, m["wait_s"]
+
+
+def test_a_rollout_worker_takes_its_handed_over_share(tmp_path: Path) -> None:
+    """RolloutWorker's capacity follows set_split: its static share before, its part of what the
+    lost workers did not start after, nothing new when it is itself handed over."""
+    from streamrl.core import staleness
+    from streamrl.recipe import load_recipe
+    from streamrl.runtime.rollout import RolloutWorker
+
+    r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml", ["rollout.workers=3"])
+    w = RolloutWorker.__new__(RolloutWorker)  # the capacity rule only: no pool, router or engine
+    w.r, w.index, w.split, w.version, w.max_staleness, w.per_step = r, 1, None, 4, 2, 16
+    w.budget, w._wake = 10**6, asyncio.Event()
+    total = staleness.admission_capacity(4, 2, 16)  # 112
+    assert w.capacity() == staleness.capacity_share(total, 1, 3) == 37
+    w.set_split(0, 2, 30)  # worker 2 lost after starting 30 groups; this one is live worker 0 of 2
+    assert w.capacity() == (total - 30 + 1) // 2 == 41 and w._wake.is_set()
+    w.set_split(-1, 0, 0)
+    assert w.capacity() == 0

@@ -55,6 +55,16 @@ def capacity_shares(workers: int, external: bool) -> int:
     return workers + (1 if external else 0)
 
 
+def handed_over_share(total: int, workers: int, external: bool, reserved: int, live_index: int, live: int) -> int:
+    """A live rollout worker's part of `total` admission capacity once lost workers were handed
+    over: the external producers keep their share (`capacity_share` of `workers + 1`), the lost
+    workers keep the `reserved` groups they had started, and the `live` workers split the rest, so
+    the parts still sum to `total`. Each live part is at least the one it had before (a lost
+    worker had started at most its own share)."""
+    ext = capacity_share(total, workers, workers + 1) if external else 0
+    return capacity_share(max(0, total - ext - reserved), live_index, live)
+
+
 def may_start(started_groups: int, learner_version: int, max_staleness: int, groups_per_step: int) -> bool:
     """True while one more group may start (counting it, `started_groups + 1` stays within capacity)."""
     return started_groups + 1 <= admission_capacity(learner_version, max_staleness, groups_per_step)

@@ -86,6 +86,7 @@ class RolloutWorker:
         self.budget = staleness.run_budget(recipe.run.steps, self.per_step)  # grown by the driver (add_budget)
         self.policy = recipe.staleness.partial_rollout
         self.started = 0  # admitted groups still counting against capacity (filtered ones release)
+        self.split: tuple[int, int, int] | None = None  # (live index, live workers, reserved) after a handover
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self.stats: Counter[str] = Counter()
         self.drops: Counter[str] = Counter()
@@ -111,8 +112,20 @@ class RolloutWorker:
         return self._share(min(total, self.budget))
 
     def _share(self, total: int) -> int:
-        shares = staleness.capacity_shares(self.r.rollout.workers, self.r.producer_api.enabled)
-        return staleness.capacity_share(total, self.index, shares)
+        workers, external = self.r.rollout.workers, self.r.producer_api.enabled
+        if self.split is None:
+            return staleness.capacity_share(total, self.index, staleness.capacity_shares(workers, external))
+        live_index, live, reserved = self.split
+        if live_index < 0:  # handed over: it finishes the groups it has and starts no more
+            return 0
+        return staleness.handed_over_share(total, workers, external, reserved, live_index, live)
+
+    def set_split(self, live_index: int, live: int, reserved: int) -> None:
+        """Lost workers were handed over (streamrl/runtime/workers.py): this worker's share of the
+        capacity is now its part among the `live` ones of what the lost ones did not start
+        (`reserved`); live_index -1: this worker is one of the handed-over ones."""
+        self.split = (live_index, live, reserved)
+        self._wake.set()
 
     def add_budget(self, groups: int) -> None:
         """The run needs `groups` more than its steps claim (the learner dropped them as stale, or
@@ -436,6 +449,9 @@ class _ActorWorker:
 
     async def add_budget(self, groups: int) -> None:
         (await self._worker()).add_budget(groups)
+
+    async def set_split(self, live_index: int, live: int, reserved: int) -> None:
+        (await self._worker()).set_split(live_index, live, reserved)
 
     async def stop(self) -> dict[str, Any]:
         w = await self._worker()

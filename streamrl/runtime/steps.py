@@ -77,6 +77,7 @@ class Runtime:
             stopped = await self.svc.crew.check_streams() if streams else False
             if streams and not stopped:
                 await self._count_stale_drops(await learner.stale_dropped.remote())  # a waiting claim drops too
+                await self.svc.crew.hand_over_lost()
                 await self._grow_budget_if_starved(step)
             if not streams and time.perf_counter() - waited > 30:  # only external producers feed this run
                 waited = time.perf_counter()

@@ -4,11 +4,18 @@ resources again (the node back, or another one); it then picks up its groups fro
 (`RolloutWorker._resume`: partial groups continue from their saved tokens, groups admitted but
 never stored start again, admitted prompts are not drawn again). Until then the run goes on with
 the workers that are up: nothing waits on a worker that is not placed yet.
+
+A streaming worker not placed again within `handover_s` (its node is gone for good, say) is
+handed over: admission capacity is split between the other workers, less the groups the lost one
+had started, as its static share would otherwise stay unused and, a few steps later, no batch could
+form (each step claims more than the survivors' shares grow by). When it is placed after all it
+finishes its groups from the pool and starts no new ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,13 +27,15 @@ from streamrl.runtime.runlog import RunLog
 _STATE = ("version", "started", "inflight")
 
 RESTARTS_PER_WORKER = 10  # beyond this a worker's deaths are not a lost node: its start-up itself fails
+HANDOVER_S = 60.0  # a streaming worker not placed again for this long is handed over (Ray's node-death detection takes ~10 s)
 
 Spawn = Callable[[int, int, "dict[str, Any] | None"], Any]  # (index, version, dataset position) -> actor
 
 
 class Crew:
-    def __init__(self, spawn: Spawn, states: list[dict[str, Any] | None], version: int, eta: int, log: RunLog) -> None:
-        self.spawn, self.eta, self.log = spawn, eta, log
+    def __init__(self, spawn: Spawn, states: list[dict[str, Any] | None], version: int, eta: int, log: RunLog,
+                 handover_s: float = HANDOVER_S) -> None:
+        self.spawn, self.eta, self.log, self.handover_s = spawn, eta, log, handover_s
         self.version = version
         self.actors = [spawn(i, version, s) for i, s in enumerate(states)]
         self.last: list[dict[str, Any] | None] = [None] * len(states)  # each worker's newest report
@@ -36,6 +45,10 @@ class Crew:
         self.streams: list[Any] | None = None  # stream() refs, in stream mode
         self.restarts = 0
         self._restarts_of = [0] * len(states)
+        self._lost_since: dict[int, float] = {}  # restarted workers not placed yet: index -> when they died
+        self._started: dict[int, int] = {}  # groups each dead worker had started (its last report)
+        self.handed_over: set[int] = set()
+        self._split: dict[int, tuple[int, int, int]] = {}  # index -> its set_split arguments
 
     async def start(self) -> None:
         self.last = list(await asyncio.gather(*(a.ready.remote() for a in self.actors)))
@@ -47,6 +60,7 @@ class Crew:
         ref = self._placing.get(i)
         if ref is not None and _done(ref):
             del self._placing[i]
+            self._lost_since.pop(i, None)
             self.log.info(f"rollout worker {i} is up again; it continues its groups from the pool")
         return i not in self._placing
 
@@ -64,12 +78,16 @@ class Crew:
         except Exception:  # noqa: BLE001 - already gone
             pass
         last = self.last[i]
+        self._lost_since.setdefault(i, time.monotonic())
         if last is not None:
+            self._started[i] = max(self._started.get(i, 0), int(last.get("started", 0)))
             self._carried[i] = _add(self._carried[i], last)
             self._states[i] = last.get("data_state") or self._states[i]
         self.last[i] = None
         a = self.actors[i] = self.spawn(i, self.version, self._states[i])
         a.set_version.remote(self.version, self.eta)  # queued: it runs once the actor is placed
+        if i in self._split:
+            a.set_split.remote(*self._split[i])
         self._placing[i] = a.ready.remote()
         if self.streams is not None:
             self.streams[i] = a.stream.remote()
@@ -169,6 +187,33 @@ class Crew:
     def start_streaming(self) -> list[Any]:
         self.streams = [a.stream.remote() for a in self.actors]
         return self.streams
+
+    async def hand_over_lost(self) -> None:
+        """Hand over the streaming workers that have not been placed again for `handover_s` (see
+        the module's docstring); the last live worker is never handed over."""
+        now = time.monotonic()
+        lost = sorted(i for i, t in self._lost_since.items()
+                      if i not in self.handed_over and i in self._placing and now - t >= self.handover_s)
+        live = [i for i in range(len(self.actors)) if i not in self.handed_over and i not in lost]
+        if self.streams is None or not lost or not live:
+            return
+        self.handed_over.update(lost)
+        # A lost worker's last report may miss the groups it started in its last moments: those
+        # may be trained a version later than the bound allowed at admission, and the learner's
+        # claim still drops or corrects them as the recipe says.
+        reserved = sum(self._started.get(i, 0) for i in self.handed_over)
+        self.log.warn(f"rollout worker(s) {', '.join(map(str, lost))} not placed again for {self.handover_s:g} s: "
+                      f"workers {', '.join(map(str, live))} take over their share of admission capacity "
+                      f"({reserved} groups they had started stay counted); placed later, they only "
+                      "finish their groups")
+        for i in self.handed_over:
+            self._split[i] = (-1, 0, 0)
+        for k, i in enumerate(live):
+            self._split[i] = (k, len(live), reserved)
+        for i in self.handed_over:
+            self.actors[i].set_split.remote(*self._split[i])  # queued until it is placed, if ever
+        await asyncio.gather(*(_result(self.actors[i].set_split.remote(*self._split[i])) for i in live),
+                             return_exceptions=True)  # a dead one is restarted with its split by check_streams
 
     async def check_streams(self) -> bool:
         """Raise RunFailed for a worker that stopped with an error, restart one whose actor died
