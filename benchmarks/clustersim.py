@@ -3,10 +3,10 @@
 The scheduling is StreamRL's own: admission control and its split between rollout workers
 (`staleness.admission_capacity` within the run's `run_budget`, `capacity_share`), the learner's
 claim (`staleness.select_groups`, oldest started first, whole groups, the consumption policy),
-partial-rollout transitions (`partial.Trajectory`, `next_request`, `absorb`) and the ledger (`ledger.compute_ledger`). The
-three loops below read like `streamrl/loop.py`. What is modelled instead of run: engines
-(decode-iteration time vs batch size, prefill, a cap on running requests, pauses), the learner
-(time per token per GPU) and the weight broadcast (bytes / bandwidth + latency).
+partial-rollout transitions (`partial.Trajectory`, `next_request`, `absorb`) and the ledger
+(`ledger.compute_ledger`). The three loops below read like `streamrl/loop.py`. What is modelled
+instead of run: engines (decode-iteration time vs batch size, prefill, a cap on running requests,
+pauses), the learner (time per token per GPU) and the weight broadcast (bytes / bandwidth + latency).
 
 Time advances between events: an engine's running requests all gain one token per decode
 iteration, so the next event of an engine is its earliest finishing request; nothing is

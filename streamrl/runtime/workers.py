@@ -27,7 +27,7 @@ from streamrl.runtime.runlog import RunLog
 _STATE = ("version", "started", "inflight")
 
 RESTARTS_PER_WORKER = 10  # beyond this a worker's deaths are not a lost node: its start-up itself fails
-HANDOVER_S = 60.0  # a streaming worker not placed again for this long is handed over (Ray's node-death detection takes ~10 s)
+HANDOVER_S = 60.0  # a streaming worker not placed again this long is handed over (Ray needs ~10 s to call a node dead)
 
 Spawn = Callable[[int, int, "dict[str, Any] | None"], Any]  # (index, version, dataset position) -> actor
 
