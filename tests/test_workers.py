@@ -1,8 +1,9 @@
 """The rollout workers as a crew (streamrl/runtime/workers.py), on a real local Ray instance with
 small actors that speak the worker's protocol: a worker whose actor dies is started again with
 its newest dataset position and the run's version, its running totals carry on, `generate` asks
-the new one for its share, and nothing waits on a worker Ray cannot place yet. Also when the driver
-lets streaming workers admit beyond the run's budget."""
+the new one for its share, nothing waits on a worker Ray cannot place yet, and one not placed for
+long is handed over to the others. Also when the driver lets streaming workers admit beyond the
+run's budget."""
 
 from __future__ import annotations
 
