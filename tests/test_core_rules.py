@@ -143,28 +143,6 @@ def test_a_step_claims_groups_per_step_times_over_sampling_rounded_up(gps, over,
     assert staleness.run_budget(10, staleness.claimed_per_step(gps, over)) == 10 * per_step
 
 
-@pytest.mark.parametrize("workers, external, lost", [(2, False, [1]), (3, True, [0]), (4, False, [1, 3]), (3, True, [2])])
-def test_handing_over_lost_workers_keeps_the_total_and_grows_with_every_version(workers, external, lost):
-    """Lost workers keep what they started; the live ones split the rest of the capacity: the
-    parts still sum to the capacity (the staleness bound holds), no live part shrinks, and the
-    live parts together grow by a whole step's groups per version (so a batch can always form)."""
-    gps, eta, lost_at = 8, 2, 5
-    shares = staleness.capacity_shares(workers, external)
-    reserved = sum(staleness.capacity_share(staleness.admission_capacity(lost_at, eta, gps), i, shares) for i in lost)
-    live = [i for i in range(workers) if i not in lost]
-    ext = lambda total: staleness.capacity_share(total, workers, shares) if external else 0  # noqa: E731
-    previous = None
-    for v in range(lost_at, lost_at + 30):
-        total = staleness.admission_capacity(v, eta, gps)
-        parts = [staleness.handed_over_share(total, workers, external, reserved, k, len(live)) for k in range(len(live))]
-        assert sum(parts) + reserved + ext(total) == total
-        for k, i in enumerate(live):
-            assert parts[k] >= staleness.capacity_share(total, i, shares)
-        if previous is not None:
-            assert sum(parts) - previous == gps - (ext(total) - ext(staleness.admission_capacity(v - 1, eta, gps)))
-        previous = sum(parts)
-
-
 def test_may_start_boundary_at_version_0():
     # groups_per_step=4, max_staleness=1, version 0: capacity 8
     assert staleness.may_start(0, 0, 1, 4)  # the 1st group

@@ -321,6 +321,30 @@ def test_stale_drops_raise_the_budget_and_the_wait_counts_every_poll(tmp_path: P
     assert m["wait_s"] >= 0.3, m["wait_s"]
 
 
+@pytest.mark.parametrize("workers, external, lost", [(2, False, [1]), (3, True, [0]), (4, False, [1, 3]), (3, True, [2])])
+def test_handing_over_lost_workers_keeps_the_total_and_grows_with_every_version(workers, external, lost):
+    """Lost workers keep what they started; the live ones split the rest of the capacity: the
+    parts still sum to the capacity (the staleness bound holds), no live part shrinks, and the
+    live parts together grow by a whole step's groups per version (so a batch can always form)."""
+    from streamrl.core import staleness
+
+    gps, eta, lost_at = 8, 2, 5
+    shares = staleness.capacity_shares(workers, external)
+    reserved = sum(staleness.capacity_share(staleness.admission_capacity(lost_at, eta, gps), i, shares) for i in lost)
+    live = [i for i in range(workers) if i not in lost]
+    ext = lambda total: staleness.capacity_share(total, workers, shares) if external else 0  # noqa: E731
+    previous = None
+    for v in range(lost_at, lost_at + 30):
+        total = staleness.admission_capacity(v, eta, gps)
+        parts = [staleness.handed_over_share(total, workers, external, reserved, k, len(live)) for k in range(len(live))]
+        assert sum(parts) + reserved + ext(total) == total
+        for k, i in enumerate(live):
+            assert parts[k] >= staleness.capacity_share(total, i, shares)
+        if previous is not None:
+            assert sum(parts) - previous == gps - (ext(total) - ext(staleness.admission_capacity(v - 1, eta, gps)))
+        previous = sum(parts)
+
+
 def test_a_rollout_worker_takes_its_handed_over_share(tmp_path: Path) -> None:
     """RolloutWorker's capacity follows set_split: its static share before, its part of what the
     lost workers did not start after, nothing new when it is itself handed over."""
