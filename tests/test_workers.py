@@ -130,9 +130,9 @@ def test_a_dead_streaming_worker_starts_again_where_it_stood_and_its_totals_carr
     asyncio.run(main())
 
 
-async def _restarted(crew: Any) -> bool:
+async def _restarted(crew: Any, n: int = 1) -> bool:
     await crew.check_streams()
-    return crew.restarts == 1
+    return crew.restarts == n
 
 
 async def _up(crew: Any, i: int) -> bool:
@@ -200,17 +200,12 @@ def test_a_worker_not_placed_again_is_handed_over_to_the_live_ones(tmp_path: Pat
         assert "rollout worker(s) 2 not placed again for 1 s: workers 0, 1 take over" in (tmp_path / "run.log").read_text()
         await crew.hand_over_lost()  # nothing more to hand over
         ray.kill(crew.actors[0], no_restart=True)  # worker 0 dies too: its new actor (k=4) gets its part
-        await _until(lambda: _restarted_n(crew, 2))
+        await _until(lambda: _restarted(crew, 2))
         await _until(lambda: _up(crew, 0))
         assert (await crew.reports())[0]["split"] == [0, 2, started]
         await asyncio.wait_for(crew.stop(), 10)
 
     asyncio.run(main())
-
-
-async def _restarted_n(crew: Any, n: int) -> bool:
-    await crew.check_streams()
-    return crew.restarts == n
 
 
 def test_a_worker_that_dies_every_time_it_starts_ends_the_run(tmp_path: Path, ray_local: None) -> None:
