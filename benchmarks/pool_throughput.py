@@ -41,8 +41,12 @@ figures (all rates are wall-clock, data generation excluded):
   append_concurrent  --producers threads doing the same at once: the pool's intended use, where
                      the committer coalesces their calls into one Lance commit (group commit)
     rows_per_s / tokens_per_s / mb_per_s  samples, response tokens, Arrow bytes stored per second
-    p50_ms / p99_ms    latency of one append call (submit to committed; neither Lance nor the IPC
-                       writer below fsyncs, so both are durable against a process crash only)
+    seconds            from the release of the producers until every row is committed to Lance
+                       (pool.flush() inside the timing), so the rates are of rows in the tables
+    drain_s            of that, the time after the last call returned (rows still in the log)
+    p50_ms / p99_ms    latency of one append call: until committed (--write-ahead: until its rows are
+                       in the pool's write-ahead log). Neither Lance, the log nor the IPC writer
+                       below fsyncs, so all are durable against a process crash only
     commits            Lance commits by the pool (rows table + admissions table)
     rows_per_commit    rows / commits of the rows table (versions added to it)
   arrow_ipc          the same groups, converted by groups_to_table (exactly the tables the pool
@@ -172,10 +176,12 @@ def append_phase(pool: LancePool, store: Store, groups: list[SampleGroup], produ
     t0 = time.perf_counter()
     for th in threads:
         th.join()
+    returned = time.perf_counter() - t0
+    pool.flush()  # the rates count rows committed to Lance, not only in the write-ahead log
     seconds = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    return {"groups": groups, "seconds": seconds, "lat": [x for ls in lat for x in ls],
+    return {"groups": groups, "seconds": seconds, "drain_s": seconds - returned, "lat": [x for ls in lat for x in ls],
             "commits": pool.commits - commits0, "row_commits": store.table_version() - version0}
 
 
@@ -183,7 +189,8 @@ def append_summary(runs: list[dict[str, Any]], producers: int) -> dict[str, Any]
     groups = [g for r in runs for g in r["groups"]]
     row_commits = sum(r["row_commits"] for r in runs)
     out = {"producers": producers, **rates(groups, sum(r["seconds"] for r in runs)),
-           **pct([x for r in runs for x in r["lat"]]), "commits": sum(r["commits"] for r in runs),
+           **pct([x for r in runs for x in r["lat"]]), "drain_s": round(sum(r["drain_s"] for r in runs), 3),
+           "commits": sum(r["commits"] for r in runs),
            "row_commits": row_commits}
     out["rows_per_commit"] = round(out["rows"] / max(row_commits, 1), 1)
     return out
@@ -231,6 +238,7 @@ def claim_phase(pool: LancePool, feed: list[SampleGroup], claims: int, top_versi
             pool.compact()
             compact_s.append(time.perf_counter() - t0)
         pool.append(feed[step * BATCH_GROUPS : (step + 1) * BATCH_GROUPS], admit=True)  # producers keep going
+        pool.flush()  # with --write-ahead, the producers' rows are committed before the claim is timed
         frags.append(pool.fragments())
         before = pool.claim_stats()
         t0 = time.perf_counter()
@@ -274,6 +282,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="alternating pool / IPC rounds (3)")
     ap.add_argument("--commit-max-rows", type=int, default=8192, help="LancePool commit_max_rows (8192)")
     ap.add_argument("--commit-linger-ms", type=float, default=2.0, help="LancePool commit_linger_ms (2.0)")
+    ap.add_argument("--write-ahead", action="store_true",
+                    help="LancePool(write_ahead=True) (recipe pool.write_ahead): an append returns once in the "
+                         "write-ahead log; the rates still count rows until committed")
     ap.add_argument("--dir", type=Path, default=REPO / "runs" / "bench",
                     help="parent of the temporary data directory; the disk under test (default runs/bench)")
     ap.add_argument("--seed", type=int, default=0)
@@ -298,7 +309,7 @@ def run(args: argparse.Namespace, work: Path, store: Store) -> dict[str, Any]:
     single_groups, multi_groups = bulk[: args.single_groups], bulk[args.single_groups :]
     r: dict[str, Any] = {}
     with LancePool(store.uri, commit_max_rows=args.commit_max_rows, commit_linger_ms=args.commit_linger_ms,
-                   compact_every=0, storage_options=store.options) as pool:
+                   compact_every=0, storage_options=store.options, write_ahead=args.write_ahead) as pool:
         # Flush dirty pages before each timed phase, so no phase pays for the previous one's writeback.
         os.sync()
         log(f"single producer: {len(single_groups)} groups")
@@ -385,7 +396,7 @@ def main() -> None:
         **r,
         "config": {"rows": args.rows, "group_size": GROUP, "response_tokens": [200, 2000], "prompt_tokens": [50, 200],
                    "producers": args.producers, "rounds": args.rounds, "commit_max_rows": args.commit_max_rows,
-                   "commit_linger_ms": args.commit_linger_ms,
+                   "commit_linger_ms": args.commit_linger_ms, "write_ahead": args.write_ahead,
                    "data_storage_version": storage_version, "dir": str(args.dir),
                    "pool_store": "s3 (moto server on 127.0.0.1)" if args.s3_local else "local disk"},
         "git": git_rev(),  # which pool code was measured

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -38,10 +38,6 @@ from streamrl.pools.schema import POOL_SCHEMA, claims_to_table, table_to_groups
 
 Select = Callable[[list[SampleGroup]], tuple[list[SampleGroup], dict[str, str]]]
 _VERSION_COL = "_row_last_updated_at_version"
-
-
-def quote(values: Sequence[str]) -> str:
-    return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
 
 
 def _made_after(ds: Any, fragments: list[Any], version: int) -> list[Any] | None:

@@ -1,14 +1,17 @@
 """The LanceDB experience pool: three tables (`pool`, `admissions`, `claims`) under one LanceDB URI.
 
 - writes (`admit`, `append`, `save_partial`) go through one committer thread per pool object
-  (pools/committer.py): concurrent calls share a Lance commit; each returns once committed;
+  (pools/committer.py): concurrent calls share a Lance commit; each returns once committed. With
+  `write_ahead` (local pools) each returns once its rows are in this process's write-ahead log
+  (pools/wal.py), drained into Lance in large commits behind it: the object's own reads wait
+  for that, other processes see the rows up to a commit later, and a dead writer's log is
+  committed by the next process to open the pool or by the learner's next claim;
 - `claim` (pools/claimer.py) records the learner's decisions in the narrow `claims` table in one
   commit and never rewrites sample rows; it costs what arrived since the last step, not what
   the pool holds;
 - every read applies the claims to the stored rows (pools/reads.py), so `status`,
   `consumed_step`, ... read the same as if the rows had been updated;
-- only the learner (the claimer) compacts, in a background thread: Lance appends never conflict
-  with a compaction, and claims do not touch the tables it rewrites.
+- only the learner (the claimer) compacts, in a background thread (pools/compaction.py).
 
 Tables are created with stable row ids (each row keeps the version that last wrote it, across
 compactions), which is what lets the learner read only new rows.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -33,10 +37,11 @@ import pyarrow as pa
 
 from streamrl.core.ledger import compute_ledger
 from streamrl.core.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup
-from streamrl.pools import reads
+from streamrl.pools import compaction, damage, reads
 from streamrl.pools.base import NoPool, PoolError
-from streamrl.pools.claimer import Claimer, Select, quote
+from streamrl.pools.claimer import Claimer, Select
 from streamrl.pools.committer import Committer, Item, retry_conflicts
+from streamrl.pools.reads import quote
 from streamrl.pools.schema import (
     ADMISSIONS_SCHEMA,
     CLAIMS_SCHEMA,
@@ -48,9 +53,11 @@ from streamrl.pools.schema import (
 
 POOL_TABLE, ADMISSIONS_TABLE, CLAIMS_TABLE = "pool", "admissions", "claims"
 SCHEMAS = {POOL_TABLE: POOL_SCHEMA, ADMISSIONS_TABLE: ADMISSIONS_SCHEMA, CLAIMS_TABLE: CLAIMS_SCHEMA}
-COMPACT_TARGET_ROWS = 16384
+WAL_DIR = "_wal"  # this pool's write-ahead logs (pools/wal.py)
+RECOVER_EVERY_S = 2.0  # how often the learner's claims look for logs of writers that stopped
 # New tables: Lance file format 2.0 (encodes list<int32> columns ~2x faster than 2.2 here) and
 # stable row ids (the learner's claim reads only rows written since its last one).
+log = logging.getLogger(__name__)
 NEW_TABLE_OPTIONS = {"new_table_data_storage_version": "2.0", "new_table_enable_stable_row_ids": "true"}
 
 
@@ -67,10 +74,16 @@ class LancePool:
         commit_linger_ms: float = 2.0,
         compact_every: int = 64,
         storage_options: dict[str, str] | None = None,
+        write_ahead: bool = False,
     ) -> None:
         """`storage_options`: object-store settings (credentials, endpoint) for a URI such as
-        s3://bucket/run/pool, passed to LanceDB and to every pylance dataset."""
+        s3://bucket/run/pool, passed to LanceDB and to every pylance dataset. `write_ahead`:
+        writes return once in this process's write-ahead log rather than once committed (local
+        directories only: an object store has no file locks)."""
         self.uri = str(uri)
+        if write_ahead and "://" in self.uri:
+            raise PoolError(f"pool.write_ahead needs a pool in a local directory, not {self.uri}: the log's "
+                            "writers are told apart by file locks, which object stores do not have")
         self._storage_options = dict(storage_options or {})
         self.run_id = run_id
         self.compact_every = compact_every
@@ -91,19 +104,24 @@ class LancePool:
             self._uris = {name: t.to_lance().uri for name, t in self._tables.items()}
             self._session = first.session()
             if not create:
-                self._check_files()
+                damage.check_files(self.uri, (t.to_lance() for t in self._tables.values()))
         except PoolError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise self._open_error(e) from None
+            raise damage.open_error(self.uri, e, (POOL_TABLE, ADMISSIONS_TABLE)) from None
         self._pool, self._adm = self._tables[POOL_TABLE], self._tables[ADMISSIONS_TABLE]
         names = set(self._pool.schema.names)
         if names != set(POOL_SCHEMA.names):
             raise PoolError(f"{self.uri}: table 'pool' has columns {sorted(names ^ set(POOL_SCHEMA.names))} "
                             "that differ from this StreamRL version's schema (pools/schema.py)")
         self._claims = reads.ClaimsCache(lambda: self._open(CLAIMS_TABLE) if CLAIMS_TABLE in self._uris else None)
-        self._committer = Committer(self._open, self._stored_partials, commit_max_rows, commit_linger_ms / 1000)
+        local = "://" not in self.uri
+        self._wal_dir = Path(self.uri) / WAL_DIR if local else None  # also to commit logs of dead writers
+        self._committer = Committer(self._open, self._stored_partials, commit_max_rows, commit_linger_ms / 1000,
+                                    self._wal_dir, write_ahead)
         self._claimer = Claimer(self._open, self._claims.get)
+        self._recovered_at = 0.0
+        self.recover()
 
     def _open(self, name: str) -> Any:
         """A fresh pylance dataset of table `name` at its latest version (objects are not shared
@@ -115,38 +133,11 @@ class LancePool:
             self._uris[name] = self._tables[name].to_lance().uri
         return lance.dataset(self._uris[name], session=self._session, storage_options=self._storage_options or None)
 
-    def _check_files(self) -> None:
-        """Every data file the manifests name is there with its recorded size (local pools), so
-        a damaged pool is reported when it is opened rather than halfway through a query."""
-        for tbl in self._tables.values():
-            ds = tbl.to_lance()
-            if "://" in ds.uri and not ds.uri.startswith("file://"):
-                continue
-            root = Path(ds.uri.removeprefix("file://")) / "data"
-            for frag in ds.get_fragments():
-                for df in frag.data_files():
-                    f = root / df.path
-                    size = getattr(df, "file_size_bytes", None)
-                    if not f.is_file() or (size and f.stat().st_size != size):
-                        raise PoolError(f"experience pool at {self.uri} is damaged: data file {f} is "
-                                        f"{'missing' if not f.is_file() else 'truncated or replaced'}")
-
     def _create(self, name: str, schema: pa.Schema) -> Any:
         try:
             return self._db.create_table(name, schema=schema, exist_ok=True)
         except Exception:  # noqa: BLE001 - another process created it first
             return self._db.open_table(name)
-
-    def _open_error(self, e: Exception) -> PoolError:
-        msg, tables = str(e).splitlines()[0][:300], (POOL_TABLE, ADMISSIONS_TABLE)
-        if ("not found" in msg.lower() or "does not exist" in msg.lower()) and not any(
-                (Path(self.uri) / f"{t}.lance").exists() for t in tables):
-            return NoPool(f"{self.uri} is not an experience pool (no '{tables[0]}' and '{tables[1]}' tables): {msg}")
-        if "://" in self.uri and any(w in msg for w in ("Failed to connect", "RetryError", "error sending request")):
-            return PoolError(f"cannot reach the object store of {self.uri} ({msg}); check the endpoint and region "
-                             "(pool.storage_options) and the credentials in the environment")
-        return PoolError(f"experience pool at {self.uri} is unreadable ({type(e).__name__}: {msg}); its manifest "
-                         "or data files are damaged or were written by an incompatible Lance version")
 
     # ------------------------------------------------------------ writes
 
@@ -204,13 +195,30 @@ class LancePool:
             raise PoolError(f"pool {self.uri} is closed") from None
 
     def _stored_partials(self) -> set[str]:
-        return set(self.scan(["group_id"], where="status = 'partial'", effective=False)["group_id"].to_pylist())
+        # Not through scan(): the committer thread calls this, and scan() waits for that thread.
+        return set(reads.filtered(self._open(POOL_TABLE), ["group_id"], "status = 'partial'")["group_id"].to_pylist())
+
+    def flush(self) -> None:
+        """Wait until this object's writes so far are committed to the tables (other processes
+        see them from then on). Reads through this object do it themselves."""
+        self._committer.sync()
+
+    def recover(self) -> int:
+        """Commit the write-ahead logs of writers that stopped without committing them (their
+        calls returned, so the rows are owed). Idempotent; returns the rows committed."""
+        self._recovered_at = time.monotonic()
+        rows = self._committer.recover()
+        if rows:
+            log.warning("experience pool %s: committed %d rows from the write-ahead logs of writers that stopped",
+                        self.uri, rows)
+        return rows
 
     # ------------------------------------------------------------ reads
 
     def snapshot(self) -> reads.Snapshot:
         """The pool table at its latest version, with the claims read just before: reads through
         one snapshot agree with each other (`scan`, `reader` and `count` each take a new one)."""
+        self._committer.sync()
         claims = self._claims.get()  # before the rows: see pools/reads.py
         return reads.Snapshot(self._open(POOL_TABLE), claims)
 
@@ -240,12 +248,14 @@ class LancePool:
 
     def claims(self) -> pa.Table:
         """The claims table (one row per group the learner decided about)."""
+        self._committer.sync()
         return self._claims.get()
 
     @contextlib.contextmanager
     def reading(self, where: str | None) -> Iterator[None]:
         """Lance read errors become a ValueError naming the filter (the caller's mistake) or a
-        PoolError (damaged files), never a raw traceback."""
+        PoolError (damaged files), never a raw traceback. This object's own writes are committed first."""
+        self._committer.sync()
         try:
             yield
         except ValueError as e:
@@ -296,12 +306,14 @@ class LancePool:
     def ledger(self) -> Ledger:
         # Claims, then rows, then admissions: a group claimed, or admitted and stored, between two
         # reads shows as it was a moment ago, never as claimed-without-rows or unadmitted.
+        self._committer.sync()
         claims = self._claims.get()
         rows = self.scan(["group_id", "sample_index", "status"], effective=False)
         adm = self.scan(["group_id", "n"], table=ADMISSIONS_TABLE)
         return compute_ledger(adm, rows, claims)
 
     def count_rows(self) -> int:
+        self._committer.sync()
         return self._open(POOL_TABLE).count_rows()
 
     # ------------------------------------------------------------ learner side
@@ -320,6 +332,9 @@ class LancePool:
         them are trained on: it returns the kept groups and {group_id: reason} for the rest,
         which are stored as dropped with that reason (over-sampling). None if too few are ready
         (stale groups met on the way are dropped all the same)."""
+        self._committer.sync()
+        if time.monotonic() - self._recovered_at > RECOVER_EVERY_S:
+            self.recover()  # a producer that died: what its calls returned for is owed to the learner
         batch = self._claimer.claim(step, learner_version, num_groups, max_staleness, policy, select)
         self.maybe_compact()
         return batch
@@ -334,35 +349,16 @@ class LancePool:
                 "broken": 0 if r is None else len(r.broken), "incremental": c.stable, "stale_dropped": c.stale_dropped}
 
     def compact(self) -> None:
-        """Merge small fragments into ~16k-row ones (bounded, so a big fragment is not
-        rewritten every time), drop versions older than 10 minutes, and keep the scalar
-        indices that make lookups by group fast up to date. Indices are made with pylance, like
-        every read: LanceDB 0.40's own Lance ignores the index version pylance 14 writes."""
-        indexed = {POOL_TABLE: {"group_id": "BTREE", "status": "BITMAP", "uid": "BTREE"},
-                   ADMISSIONS_TABLE: {"group_id": "BTREE"}, CLAIMS_TABLE: {}}
+        """Compact every table (pools/compaction.py)."""
         for name in self._uris:
-            if self._open(name).count_rows() == 0:
-                continue
-            # Binary copy moves the encoded pages as they are (3-4x less CPU than decoding and
-            # encoding them again here), so a compaction takes less from the claims beside it.
-            retry_conflicts(lambda: self._open(name).optimize.compact_files(  # noqa: B023 - called at once
-                target_rows_per_fragment=COMPACT_TARGET_ROWS, materialize_deletions_threshold=0.1,
-                compaction_mode="try_binary_copy"))
-            have = {f for idx in self._open(name).describe_indices() for f in idx.field_names}
-            for col, kind in indexed[name].items():
-                if col not in have:
-                    retry_conflicts(lambda: self._open(name).create_scalar_index(col, kind))  # noqa: B023
-            if indexed[name]:
-                retry_conflicts(lambda: self._open(name).optimize.optimize_indices())  # noqa: B023 - called at once
-            self._open(name).cleanup_old_versions(older_than=timedelta(minutes=10))
+            compaction.compact_table(self._open, name)
 
     def fragments(self, table: str = POOL_TABLE) -> int:
         return len(self._open(table).get_fragments()) if table in self._uris else 0
 
     def small_fragments(self, table: str = POOL_TABLE) -> int:
-        """Fragments of `table` under COMPACT_TARGET_ROWS rows: those a compaction would merge."""
-        frags = self._open(table).get_fragments() if table in self._uris else []
-        return sum(f.physical_rows < COMPACT_TARGET_ROWS for f in frags)
+        """Fragments of `table` that a compaction would merge."""
+        return compaction.small_fragments(self._open(table)) if table in self._uris else 0
 
     def maybe_compact(self) -> bool:
         """Start a background compaction when `compact_every` small fragments have accumulated in

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,11 @@ def matching_positions(ds: Any, claims: pa.Table, where: str) -> np.ndarray:
     finally:
         con.close()
     return np.sort(hit.to_numpy())
+
+
+def quote(values: Sequence[str]) -> str:
+    """A SQL list of string literals for Lance filters (`col IN (...)`)."""
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
 
 
 def filtered(ds: Any, columns: list[str], where: str | None) -> pa.Table:

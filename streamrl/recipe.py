@@ -203,6 +203,10 @@ class PoolCfg(_Cfg):
     commit_max_rows: PosInt = 8192
     commit_linger_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     compact_every: NonNegInt = 64  # compact once this many small fragments accumulate; 0 = never
+    # producers' appends return once in a per-process write-ahead log, committed to Lance behind
+    # them (local pools only): ~1.9x the appends/s of one producer that waits for each call,
+    # no gain for many at once; other processes see rows up to ~50 ms later (benchmarks/README.md)
+    write_ahead: bool = False
 
 
 class ParallelCfg(_Cfg):

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from streamrl.core.types import Admission
-from streamrl.pools import LancePool, PoolError, lance_pool, open_pool
+from streamrl.pools import LancePool, PoolError, compaction, open_pool
 from streamrl.pools.schema import POOL_SCHEMA
 
 from poolkit import (
@@ -35,9 +35,11 @@ BIG = 10**6  # a staleness bound nothing exceeds
 
 
 def append_each(pool: LancePool, groups, *, admit: bool = True) -> None:
-    """One append per group, so created times strictly increase in list order."""
+    """One append and one commit per group, so created times strictly increase in list order
+    and each group is a fragment of its own."""
     for g in groups:
         pool.append([g], admit=admit)
+        pool.flush()
         time.sleep(0.001)
 
 
@@ -129,9 +131,10 @@ def test_empty_pool_reads(pool):
 # ====================================================================== group commit / async
 
 
-def test_concurrent_appends_share_commits(run_dir):
+@pytest.mark.parametrize("write_ahead", [True, False], ids=["write-ahead", "commit-per-call"])
+def test_concurrent_appends_share_commits(run_dir, write_ahead):
     n_threads = 16
-    pool = LancePool(run_dir / "pool", commit_linger_ms=25)
+    pool = LancePool(run_dir / "pool", commit_linger_ms=25, write_ahead=write_ahead)
     barrier = threading.Barrier(n_threads)
     errors: list[BaseException] = []
 
@@ -148,6 +151,7 @@ def test_concurrent_appends_share_commits(run_dir):
     for t in threads:
         t.join()
     assert not errors
+    pool.flush()
     assert 1 <= pool.commits < n_threads, f"{pool.commits} commits for {n_threads} concurrent appends"
     rows = rows_per_group(pool)
     assert rows == {f"t{i:02d}": 3 for i in range(n_threads)}
@@ -302,6 +306,7 @@ def test_failed_and_dropped_groups_are_never_claimed(pool):
 def test_ledger_detects_a_group_appended_twice(pool):
     g = make_group("dup", n=3)
     pool.append([g], admit=True)
+    pool.flush()  # two commits: in one, the later write of a group replaces the earlier
     pool.append([make_group("dup", n=3)])
     led = pool.ledger()
     assert led.duplicated == 1 and not led.balanced, led
@@ -311,6 +316,7 @@ def test_ledger_detects_a_group_appended_twice(pool):
 def test_ledger_detects_a_group_admitted_twice(pool):
     g = make_group("dup2", n=2)
     pool.append([g], admit=True)
+    pool.flush()
     pool.append([make_group("dup2", n=2)], admit=True)
     led = pool.ledger()
     assert led.duplicated == 1 and not led.balanced, led
@@ -325,6 +331,7 @@ def test_ledger_detects_unadmitted_rows(pool):
 
 def test_ledger_detects_lost_rows(pool):
     pool.append([make_group(f"l{i}", n=4) for i in range(3)], admit=True)
+    pool.flush()
     pool._pool.delete("uid IN ('l1/2', 'l1/3')")  # damage behind the pool's back
     led = pool.ledger()
     assert led.lost == 1 and led.complete == 2 and not led.balanced, led
@@ -333,6 +340,7 @@ def test_ledger_detects_lost_rows(pool):
 
 def test_ledger_detects_a_group_with_rows_in_mixed_states(pool):
     pool.append([make_group("m", n=3)], admit=True)
+    pool.flush()
     pool._pool.update(where="uid = 'm/0'", values={"status": "consumed"})
     led = pool.ledger()
     assert led.lost == 1 and led.complete == 0 and led.consumed == 0 and not led.balanced, led
@@ -734,7 +742,7 @@ def test_claims_trigger_background_compaction(run_dir):
 
 
 def test_only_small_fragments_start_a_background_compaction(run_dir, monkeypatch):
-    monkeypatch.setattr(lance_pool, "COMPACT_TARGET_ROWS", 8)  # a fragment of 8 rows is full
+    monkeypatch.setattr(compaction, "COMPACT_TARGET_ROWS", 8)  # a fragment of 8 rows is full
     pool = LancePool(run_dir / "pool", compact_every=4)
     append_each(pool, [make_group(f"full{i}", n=8) for i in range(6)])
     assert pool.fragments() == 6 and pool.small_fragments() == 0

@@ -24,6 +24,7 @@ BIG = 10**6
 def append_each(pool: LancePool, groups, *, admit: bool = True) -> None:
     for g in groups:
         pool.append([g], admit=admit)
+        pool.flush()  # one commit per group
         time.sleep(0.001)  # created times strictly increase in list order
 
 

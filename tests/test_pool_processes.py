@@ -64,7 +64,8 @@ import os, sys
 from streamrl.pools import LancePool
 from poolkit import admissions_for, make_group, partial_of
 uri, side, prefix, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-pool = LancePool(uri, create=False, commit_linger_ms=1)
+write_ahead = len(sys.argv) > 5 and sys.argv[5] == "write_ahead"  # returns once in the log, commits behind
+pool = LancePool(uri, create=False, commit_linger_ms=1, write_ahead=write_ahead)
 with open(side, "a") as f:
     i = 0
     while True:
@@ -164,6 +165,7 @@ def _wait_for_lines(path: Path, proc, at_least: int, timeout: float) -> None:
 def _check_after_kill(uri: Path, side: Path, prefixes: list[str], n: int) -> dict[str, int]:
     acknowledged = [line for line in side.read_text().splitlines() if line]
     assert len(acknowledged) == len(set(acknowledged))
+    segments = len(list((uri / "_wal").glob("*.arrow")))  # a write-ahead writer's log, committed on opening
     with LancePool(uri, create=False) as pool:
         rows = rows_per_group(pool)
         half = {gid: c for gid, c in rows.items() if c != n}
@@ -188,10 +190,11 @@ def _check_after_kill(uri: Path, side: Path, prefixes: list[str], n: int) -> dic
         assert led.balanced, led
         assert led.in_flight == len(admitted - set(rows)), led  # admitted, nothing stored yet
         return {"acknowledged": len(acknowledged), "stored": len(rows), "in_flight": led.in_flight,
-                "partial": led.partial, "complete": led.complete}
+                "partial": led.partial, "complete": led.complete, "log_segments": segments}
 
 
-def test_sigkill_mid_append_loses_nothing_acknowledged(tmp_path: Path):
+@pytest.mark.parametrize("mode", ["commit", "write_ahead"])
+def test_sigkill_mid_append_loses_nothing_acknowledged(tmp_path: Path, mode: str):
     uri = tmp_path / "run" / "pool"
     LancePool(uri).close()
     side = tmp_path / "acknowledged.txt"
@@ -206,7 +209,7 @@ def test_sigkill_mid_append_loses_nothing_acknowledged(tmp_path: Path):
         prefix = f"k{round_}"
         prefixes.append(prefix)
         before = side.read_text().count("\n") if side.exists() else 0
-        proc = popen_python(KILLABLE, uri, side, prefix, n)
+        proc = popen_python(KILLABLE, uri, side, prefix, n, mode)
         _wait_for_lines(side, proc, before + 1, timeout=60)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
@@ -215,6 +218,9 @@ def test_sigkill_mid_append_loses_nothing_acknowledged(tmp_path: Path):
         history.append(_check_after_kill(uri, side, prefixes, n))
 
     assert history[-1]["acknowledged"] > history[0]["acknowledged"]
+    if mode == "write_ahead":  # some kills left appends that had returned only in the log
+        assert any(h["log_segments"] for h in history), history
+    assert not list((uri / "_wal").glob("*")), "a dead writer's log was left behind"
     # The reused pool keeps working after the kills: claim every complete group once.
     with LancePool(uri, create=False) as pool:
         complete = pool.ledger().complete

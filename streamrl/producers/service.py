@@ -30,7 +30,7 @@ import msgspec
 from aiohttp import web
 
 from streamrl.core.types import from_json, from_msgpack
-from streamrl.pools.claimer import quote
+from streamrl.pools.reads import quote
 from streamrl.producers import intake
 from streamrl.recipe import Recipe
 
@@ -129,7 +129,8 @@ class ProducerService:
         self.leases = intake.LeaseBook(api.lease_s)
         self.pool = LancePool(recipe.pool_uri, storage_options=recipe.pool.storage_options,
                               commit_max_rows=recipe.pool.commit_max_rows,
-                              commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0)
+                              commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0,
+                              write_ahead=recipe.pool.write_ahead)
         # External groups: id -> (producer id, pool status or None when admitted but not stored).
         self.known: dict[str, tuple[str, str | None]] = {}
         self.started = self.stored = 0

@@ -69,7 +69,8 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path)
         self.pool = LancePool(recipe.pool_uri, storage_options=recipe.pool.storage_options,
                               commit_max_rows=recipe.pool.commit_max_rows,
-                              commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0)
+                              commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0,
+                              write_ahead=recipe.pool.write_ahead)
         self.client = SGLangClient(router_url, connect_retries=2, keys=Keys(api=api_key))  # generation only
         self.log = RunLog(recipe.run_dir, echo=False)
         self.rewards = RewardHub(recipe.reward.fn, recipe.reward.args)
