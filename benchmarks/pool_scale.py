@@ -38,6 +38,7 @@ import numpy as np
 from benchmarks.pool_throughput import (
     BATCH_GROUPS,
     GROUP,
+    IPC_GROUPS,
     append_phase,
     append_summary,
     claim_phase,
@@ -99,7 +100,7 @@ def _appends(pool: LancePool, feed: list[Any], rounds: int, work: Path) -> dict[
     for k in range(rounds):
         part = feed[k * per:k * per + MULTI_GROUPS]
         multi.append(append_phase(pool, Path(pool.uri), part, 8))
-        ipc_m.append(ipc_phase(part, max(1, round(len(part) / max(multi[-1]["row_commits"], 1))), work / "ipc"))
+        ipc_m.append(ipc_phase(part, IPC_GROUPS, work / "ipc"))
         part = feed[k * per + MULTI_GROUPS:(k + 1) * per]
         single.append(append_phase(pool, Path(pool.uri), part, 1))
         ipc_s.append(ipc_phase(part, 1, work / "ipc"))

@@ -34,48 +34,35 @@ from benchmarks._report import emit, git_rev, machine  # noqa: E402
 GROUP = 64  # samples per group (GRPO n); one append call stores one group
 VOCAB = 151_936  # Qwen2 vocabulary: ids need 18 bits, so int encodings see realistic values
 BATCH_GROUPS = 4  # a claim takes 4 groups = 256 samples
+IPC_GROUPS = 4  # groups per file of the Arrow IPC baseline: about what 8 producers share a commit with
 
 FIGURES = """
 figures (all rates are wall-clock, data generation excluded):
   append_single      one producer thread, one 64-sample group per append(admit=True) call
-  append_concurrent  --producers threads doing the same at once: the pool's intended use, where
-                     the committer coalesces their calls into one Lance commit (group commit)
+  append_concurrent  --producers threads doing the same at once (their calls share commits)
     rows_per_s / tokens_per_s / mb_per_s  samples, response tokens, Arrow bytes stored per second
-    seconds            from the release of the producers until every row is committed to Lance
-                       (pool.flush() inside the timing), so the rates are of rows in the tables
-    drain_s            of that, the time after the last call returned (rows still in the log)
-    p50_ms / p99_ms    latency of one append call: until committed (--write-ahead: until its rows are
-                       in the pool's write-ahead log). Neither Lance, the log nor the IPC writer
-                       below fsyncs, so all are durable against a process crash only
-    commits            Lance commits by the pool (rows table + admissions table)
-    rows_per_commit    rows / commits of the rows table (versions added to it)
+    seconds / drain_s  producers released -> every row committed (pool.flush() timed) / of that, after
+                       the last call returned (--write-ahead: rows still only in the log)
+    p50_ms / p99_ms    one call: until committed (--write-ahead: until in the log; nothing fsyncs)
+    commits / rows_per_commit  Lance commits (rows + admissions tables) / rows per rows-table commit
   arrow_ipc          the same groups, converted by groups_to_table (exactly the tables the pool
-                     writes) and written as one IPC file per --ipc-groups groups (4 = 256 rows, about
-                     what 8 producers put in a commit without the log) with pyarrow by one thread;
-                     each file closed inside the timing. Fixed, so the baseline does not move with
-                     the pool's mode: on this VM a 23-group file (a logged pool's commit) measured
-                     3x slower per row than a 4-group one (fresh 15 MB allocations)
+                     writes), one IPC file per --ipc-groups groups (fixed: a 23-group file measured
+                     2-2.4x slower per row here), by one thread; each file closed inside the timing
     rows_per_s         conversion + write; write_only_rows_per_s excludes the conversion
-  pool_vs_arrow_ipc  append_concurrent rows/s divided by arrow_ipc rows/s (both include
-                     groups_to_table); pool_vs_arrow_ipc_write_only divides by the write-only rate.
-                     Concurrent appends and IPC writes alternate in --rounds rounds over the same
-                     groups, so load from other jobs hits both; _by_round gives each round's ratio.
-                     Appends run with compact_every=0, so fragments pile up (data.pool_fragments_
-                     after_appends): a falling _by_round series is the pool slowing as they do
+  pool_vs_arrow_ipc  append_concurrent rows/s / arrow_ipc rows/s (both include groups_to_table); _write_only
+                     divides by the write-only rate. Pool and IPC alternate in --rounds rounds over the
+                     same groups (load hits both; _by_round: each round). compact_every=0: fragments
+                     pile up, so a falling _by_round series is the pool slowing as they do
   compact_s          pool.compact(): optimize plus scalar indices, at --rows rows
-  claim              pool.claim of 4 groups (256 samples) with --rows rows in the pool, most of them
-                     consumed, a backlog of complete groups, compacted and indexed, then fresh
-                     fragments; before each claim (untimed) 4 more groups are appended, as producers
-                     keep doing, so the backlog stays level and fragments pile up as in a run, and
-                     at --claim-compact-at fragments the pool is compacted (untimed)
+  claim              pool.claim of 4 groups (256 samples) at --rows rows (mostly consumed, a complete
+                     backlog, compacted and indexed, then fresh fragments); before each claim 4 more
+                     groups are appended and at --claim-compact-at fragments it compacts (untimed)
     p50_ms / p99_ms / rows_per_s  claim latency and claimed samples per second
     first_10_p50_ms    median of the first 10 claims (right after compaction, fewest fragments)
     fragments_min/max  Lance fragments in the pool table seen by the claims
-    rows_scanned_per_claim_p50/max  rows in the fragments a claim filtered to find new groups
-                       (those added since the claim before: flat in the pool's size)
+    rows_scanned_per_claim_p50/max  rows in the fragments filtered to find new groups (flat in size)
   ledger_balanced    pool.ledger() accounts for every group afterwards (a correctness check)
-  data               pool_mb / ipc_mb: bytes on disk; arrow_mb: in-memory Arrow size of the rows;
-                     pool_mb_at_end includes versions compact() keeps for 10 minutes
+  data               pool_mb / ipc_mb on disk (_at_end: with versions kept 10 min); arrow_mb in memory
   machine            loadavg_1m_at_start: other jobs running on the box make every figure noisy
   targets            the issue's goals: pool >= 50% of IPC rows/s, 256-sample claim p50 < 50 ms, p99 < 100 ms
 """
@@ -285,10 +272,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="alternating pool / IPC rounds (3)")
     ap.add_argument("--commit-max-rows", type=int, default=8192, help="LancePool commit_max_rows (8192)")
     ap.add_argument("--commit-linger-ms", type=float, default=2.0, help="LancePool commit_linger_ms (2.0)")
-    ap.add_argument("--ipc-groups", type=int, default=4, help="groups per Arrow IPC file in the baseline (4)")
-    ap.add_argument("--write-ahead", action="store_true",
-                    help="LancePool(write_ahead=True) (recipe pool.write_ahead): an append returns once in the "
-                         "write-ahead log; the rates still count rows until committed")
+    ap.add_argument("--response-tokens", type=lambda v: tuple(map(int, v.split(","))), default=(200, 2000),
+                    metavar="LO,HI", help="response tokens per sample, uniform in [LO, HI] (200,2000)")
+    ap.add_argument("--ipc-groups", type=int, default=IPC_GROUPS, help="groups per IPC file in the baseline (4)")
+    ap.add_argument("--write-ahead", action="store_true", help="LancePool(write_ahead=True): recipe pool.write_ahead")
     ap.add_argument("--dir", type=Path, default=REPO / "runs" / "bench",
                     help="parent of the temporary data directory; the disk under test (default runs/bench)")
     ap.add_argument("--seed", type=int, default=0)
@@ -308,8 +295,8 @@ def run(args: argparse.Namespace, work: Path, store: Store) -> dict[str, Any]:
     log(f"generating {n_groups} groups ({n_groups * GROUP} rows) + {n_fresh} to feed the claims")
     rng = np.random.default_rng(args.seed)
     # Consumed groups first, the complete backlog last: claims then take the newest bulk rows.
-    bulk = make_groups(n_groups, rng, "bulk", consumed=n_groups - backlog)
-    fresh = make_groups(n_fresh, rng, "fresh", consumed=0)
+    bulk = make_groups(n_groups, rng, "bulk", consumed=n_groups - backlog, resp=args.response_tokens)
+    fresh = make_groups(n_fresh, rng, "fresh", consumed=0, resp=args.response_tokens)
     single_groups, multi_groups = bulk[: args.single_groups], bulk[args.single_groups :]
     r: dict[str, Any] = {}
     with LancePool(store.uri, commit_max_rows=args.commit_max_rows, commit_linger_ms=args.commit_linger_ms,
@@ -396,7 +383,7 @@ def main() -> None:
                     "claim_p99_under_100ms": r["claim"]["p99_ms"] < 100},
         **{k: r.pop(k) for k in ("pool_vs_arrow_ipc", "pool_vs_arrow_ipc_write_only", "pool_vs_arrow_ipc_by_round")},
         **r,
-        "config": {"rows": args.rows, "group_size": GROUP, "response_tokens": [200, 2000], "prompt_tokens": [50, 200],
+        "config": {"rows": args.rows, "group_size": GROUP, "response_tokens": list(args.response_tokens), "prompt_tokens": [50, 200],
                    "producers": args.producers, "rounds": args.rounds, "commit_max_rows": args.commit_max_rows,
                    "commit_linger_ms": args.commit_linger_ms, "write_ahead": args.write_ahead,
                    "ipc_groups_per_file": args.ipc_groups,

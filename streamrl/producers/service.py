@@ -127,9 +127,8 @@ class ProducerService:
         self.tail = VersionTail(run_dir / "events.jsonl")
         self.tail.poll()
         self.leases = intake.LeaseBook(api.lease_s)
-        self.pool = LancePool(recipe.pool_uri, storage_options=recipe.pool.storage_options,
-                              commit_max_rows=recipe.pool.commit_max_rows,
-                              commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0,
+        self.pool = LancePool(recipe.pool_uri, storage_options=recipe.pool.storage_options, compact_every=0,
+                              commit_max_rows=recipe.pool.commit_max_rows, commit_linger_ms=recipe.pool.commit_linger_ms,
                               write_ahead=recipe.pool.write_ahead)
         # External groups: id -> (producer id, pool status or None when admitted but not stored).
         self.known: dict[str, tuple[str, str | None]] = {}
