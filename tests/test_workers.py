@@ -208,6 +208,27 @@ def test_a_worker_not_placed_again_is_handed_over_to_the_live_ones(tmp_path: Pat
     asyncio.run(main())
 
 
+def test_generate_hands_a_lost_workers_share_to_a_live_one(tmp_path: Path, ray_local: None) -> None:
+    """Lockstep: worker 1 dies in generate and no node takes it again; after handover_s worker 0
+    makes worker 1's share as well, at every step, so the run does not wait for the node."""
+
+    async def main() -> None:
+        spawned: list[tuple[int, int, Any]] = []
+        crew = _crew(tmp_path, 2, spawned, placeable=lambda k: k < 2, dies=lambda k: k == 1, handover_s=1.0)
+        await crew.start()
+        t0 = time.monotonic()
+        reports = await asyncio.wait_for(crew.generate([3, 2]), 30)
+        assert time.monotonic() - t0 >= 1.0  # it waited handover_s for worker 1 first
+        assert [r["accepted"] for r in reports] == [5, 0]  # worker 0: its 3 and worker 1's 2
+        assert not crew.up(1) and crew.restarts == 1
+        reports = await asyncio.wait_for(crew.generate([2, 2]), 30)  # the next step: at once
+        assert [r["accepted"] for r in reports] == [9, 0]
+        assert "rollout worker 1 not placed again for 1 s: worker 0 makes its 2 groups" in (
+            tmp_path / "run.log").read_text()
+
+    asyncio.run(main())
+
+
 def test_a_worker_that_dies_every_time_it_starts_ends_the_run(tmp_path: Path, ray_local: None) -> None:
     import ray
 

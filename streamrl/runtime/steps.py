@@ -46,12 +46,11 @@ class Runtime:
     async def generate(self, num_groups: int) -> None:
         """Each worker produces its share of `num_groups` accepted groups (lockstep, one-step-off)."""
         shares = self._shares(num_groups)
-        busy = [i for i, k in enumerate(shares) if k]
-        before = {i: self._accepted.get(i, 0) for i in busy}
-        reports = await self.svc.crew.generate(shares)
-        for i, r in zip(busy, reports):
+        reports = await self.svc.crew.generate(shares)  # every worker's: a live one may make a lost one's share
+        before = {i: self._accepted.get(i, 0) for i in range(len(reports))}
+        for i, r in enumerate(reports):
             self._accepted[i] = r["accepted"]
-        made = sum(self._accepted[i] - before[i] for i in busy)
+        made = sum(self._accepted[i] - before[i] for i in before)
         if made < num_groups and any(r["exhausted"] for r in reports):
             raise RunFailed(f"the rollout workers ran out of prompts ({made} of {num_groups} groups for this step); "
                             "raise data.epochs or lower run.steps")

@@ -9,7 +9,9 @@ A streaming worker not placed again within `handover_s` (its node is gone for go
 handed over: admission capacity is split between the other workers, less the groups the lost one
 had started, as its static share would otherwise stay unused and, a few steps later, no batch could
 form (each step claims more than the survivors' shares grow by). When it is placed after all it
-finishes its groups from the pool and starts no new ones.
+finishes its groups from the pool and starts no new ones. In lockstep and one-step-off, the share
+of a step that such a worker would make goes to a live worker instead (each step anew: once it is
+placed again it makes its own shares again).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from streamrl.runtime.runlog import RunLog
 _STATE = ("version", "started", "inflight")
 
 RESTARTS_PER_WORKER = 10  # beyond this a worker's deaths are not a lost node: its start-up itself fails
-HANDOVER_S = 60.0  # a streaming worker not placed again this long is handed over (Ray needs ~10 s to call a node dead)
+HANDOVER_S = 60.0  # a worker not placed again this long is handed over (Ray needs ~10 s to call a node dead)
 
 Spawn = Callable[[int, int, "dict[str, Any] | None"], Any]  # (index, version, dataset position) -> actor
 
@@ -49,6 +51,7 @@ class Crew:
         self._started: dict[int, int] = {}  # groups each dead worker had started (its last report)
         self.handed_over: set[int] = set()
         self._split: dict[int, tuple[int, int, int]] = {}  # index -> its set_split arguments
+        self._turn = [asyncio.Lock() for _ in states]  # lockstep: a worker makes one share at a time
 
     async def start(self) -> None:
         self.last = list(await asyncio.gather(*(a.ready.remote() for a in self.actors)))
@@ -137,30 +140,49 @@ class Crew:
         return self._carried[i] if r is None else _add(self._carried[i], r)
 
     async def generate(self, shares: list[int]) -> list[dict[str, Any]]:
-        """Each worker produces its share of groups (lockstep, one-step-off); a worker that dies is
-        restarted and asked for its whole share again (what it stored before it died is used by
-        a later step); one Ray lost contact with is asked again, for what it has not made yet, once
-        it answers (its target is absolute, so a call still running in it stops at the same one)."""
+        """Each worker produces its share of groups (lockstep, one-step-off); returns every
+        worker's totals. A worker that dies is restarted and asked for its whole share again
+        (what it stored before it died is used by a later step); one Ray lost contact with is
+        asked again, for what it has not made yet, once it answers (its target is absolute, so a
+        call still running in it stops at the same one). A worker not placed again within
+        `handover_s` of its death has its share made by a live one, after that one's own."""
+        await asyncio.gather(*(self._share(i, k) for i, k in enumerate(shares) if k))
+        return [self._total(i) for i in range(len(self.actors))]
+
+    async def _share(self, i: int, k: int) -> None:
         from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-        async def share(i: int, k: int) -> dict[str, Any]:
-            while True:
-                before = (self.last[i] or {}).get("accepted", 0)
-                try:
-                    return await _result(self.actors[i].generate.remote(k))
-                except ActorDiedError as e:
-                    self.restart(i, _why(e))
-                except ActorUnavailableError:
-                    now = await self._probe(i)
-                    if now is not None:  # alive: ask for the rest
-                        k -= now.get("accepted", 0) - before
-                        if k <= 0:
-                            return now
+        while True:
+            if not await self._placed_in_time(i):
+                taker = next((j for j in range(len(self.actors)) if j != i and self.up(j)), None)
+                if taker is None:  # every worker is down: wait for one to be placed
+                    await asyncio.sleep(1.0)
+                    continue
+                self.log.warn(f"rollout worker {i} not placed again for {self.handover_s:g} s: worker {taker} "
+                              f"makes its {k} groups of this step")
+                return await self._share(taker, k)
+            before = (self.last[i] or {}).get("accepted", 0)
+            try:
+                async with self._turn[i]:  # one generate at a time per worker: its target is absolute
+                    self.last[i] = await _result(self.actors[i].generate.remote(k))
+                return
+            except ActorDiedError as e:
+                self.restart(i, _why(e))
+            except ActorUnavailableError:
+                now = await self._probe(i)
+                if now is not None:  # alive: ask for the rest
+                    k -= now.get("accepted", 0) - before
+                    if k <= 0:
+                        return
 
-        busy = [i for i, k in enumerate(shares) if k]
-        for i, r in zip(busy, await asyncio.gather(*(share(i, shares[i]) for i in busy))):
-            self.last[i] = r
-        return [self._total(i) for i in busy]
+    async def _placed_in_time(self, i: int) -> bool:
+        """Wait while worker i waits to be placed again: True once it is up, False once it has
+        been down `handover_s` (its node is gone for now; Ray places it when a node has room)."""
+        while not self.up(i):
+            if time.monotonic() - self._lost_since.get(i, time.monotonic()) >= self.handover_s:
+                return False
+            await asyncio.sleep(0.2)
+        return True
 
     async def _probe(self, i: int, patience_s: float = 120.0) -> dict[str, Any] | None:
         """Worker i's report once Ray can reach it again; None (and worker i restarted) when Ray
