@@ -2,10 +2,10 @@
 
 Callers convert their groups to Arrow in their own thread (so a group that cannot be encoded
 fails its own caller, never the commit it would have shared). The thread takes everything
-queued (up to `max_rows`), commits the admissions first and then the rows. With a write-ahead
-log (local pools, pools/wal.py) a call returns once its rows are in the log and the thread
-drains the log into Lance behind it, in commits that grow with the load; without one (object
-stores) a call waits on a future until its rows are committed, lingering `linger_s` for company.
+queued (up to `max_rows`), commits the admissions first and then the rows. By default a call
+waits on a future until its rows are committed (the thread lingers `linger_s` for company when
+callers overlap). With `write_ahead` (local pools, pools/wal.py) a call returns once its rows are
+in this process's log, and the thread commits the log to Lance behind it in large commits.
 It writes through pylance directly, in this thread, so a commit hands the GIL back and forth
 once rather than through LanceDB's event-loop thread as well.
 """
