@@ -204,8 +204,8 @@ class PoolCfg(_Cfg):
     commit_linger_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     compact_every: NonNegInt = 64  # compact once this many small fragments accumulate; 0 = never
     # producers' appends return once in a per-process write-ahead log, committed to Lance behind
-    # them (local pools only): 2-4x the appends/s of one producer that waits for each call, level
-    # to 1.3x for 8 at once; other processes see rows up to ~50 ms later (README "The experience pool")
+    # them (local pools only): 2-4x the appends/s of one producer, 2.5x for 8 producer processes;
+    # other processes see rows up to ~50 ms later (README "The experience pool")
     write_ahead: bool = False
 
 
