@@ -115,10 +115,9 @@ class LancePool:
             raise PoolError(f"{self.uri}: table 'pool' has columns {sorted(names ^ set(POOL_SCHEMA.names))} "
                             "that differ from this StreamRL version's schema (pools/schema.py)")
         self._claims = reads.ClaimsCache(lambda: self._open(CLAIMS_TABLE) if CLAIMS_TABLE in self._uris else None)
-        local = "://" not in self.uri
-        self._wal_dir = Path(self.uri) / WAL_DIR if local else None  # also to commit logs of dead writers
+        wal_dir = Path(self.uri) / WAL_DIR if "://" not in self.uri else None  # also to commit logs of dead writers
         self._committer = Committer(self._open, self._stored_partials, commit_max_rows, commit_linger_ms / 1000,
-                                    self._wal_dir, write_ahead)
+                                    wal_dir, write_ahead)
         self._claimer = Claimer(self._open, self._claims.get)
         self._recovered_at = 0.0
         self.recover()
@@ -306,8 +305,7 @@ class LancePool:
     def ledger(self) -> Ledger:
         # Claims, then rows, then admissions: a group claimed, or admitted and stored, between two
         # reads shows as it was a moment ago, never as claimed-without-rows or unadmitted.
-        self._committer.sync()
-        claims = self._claims.get()
+        claims = self._claims.get()  # (the committer never writes claims; scan() waits for it)
         rows = self.scan(["group_id", "sample_index", "status"], effective=False)
         adm = self.scan(["group_id", "n"], table=ADMISSIONS_TABLE)
         return compute_ledger(adm, rows, claims)
