@@ -15,7 +15,7 @@ def start_engine(model_dir: str | Path, out: IO[Any] | int, threads: int = 1,
                  weight_version: str = "0") -> tuple[subprocess.Popen[bytes], str]:
     """An embedded engine on a socket bound here to a free port (connectors/ports.py), in its own
     session, output to `out`; returns the process and its URL (not yet healthy)."""
-    from streamrl.connectors.engine_process import engine_command
+    from streamrl.connectors.sglang.engine_process import engine_command
     from streamrl.connectors.ports import listen_socket, port_of
 
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}

@@ -54,7 +54,7 @@ class S3Server:
 
 def start_s3(log: Path) -> S3Server:
     from streamrl.connectors.ports import PortTaken, says_address_in_use, start_on_free_port
-    from streamrl.connectors.router import _die_with_parent
+    from streamrl.connectors.sglang.router import _die_with_parent
 
     def start(port: int) -> S3Server:
         with open(log, "ab") as out:

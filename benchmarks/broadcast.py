@@ -3,7 +3,7 @@
 this machine's memory-copy bandwidth measured in the same run (the limit).
 
 For each model preset, starts the largest number of embedded engines asked for as processes
-(streamrl.connectors.engine_actor.engine_command, as a run's engine actors do) on 127.0.0.1, each serving
+(streamrl.connectors.sglang.engine_actor.engine_command, as a run's engine actors do) on 127.0.0.1, each serving
 the preset's model (seed 0). This process plays the learner: it holds a second set of weights
 (the same preset, seed 1) as an HF state dict and pushes the two sets in turn, to the first 1,
 2, 4 engines, by each path:
@@ -178,9 +178,9 @@ class Bench:
         return urls
 
     async def preset(self, preset: str) -> dict[str, Any]:
-        from streamrl.connectors.model_kit import build_model, build_tokenizer, init_model_dir
-        from streamrl.connectors.sglang_client import SGLangClient
-        from streamrl.connectors.weight_sync import pack
+        from streamrl.connectors.megatron.model_kit import build_model, build_tokenizer, init_model_dir
+        from streamrl.connectors.sglang.client import SGLangClient
+        from streamrl.connectors.sglang.weight_sync import pack
         from streamrl.runtime.broadcast import VersionBroadcaster
         from streamrl.runtime.runlog import RunLog
 

@@ -3,8 +3,8 @@
 
     python benchmarks/engine_devices.py --presets tiny small
 
-For each model preset (connectors/model_kit, seed 0) and each device (cpu, and cuda when torch
-sees a GPU), runs connectors.engine_core.EngineCore in this process, no HTTP:
+For each model preset (connectors/megatron/model_kit, seed 0) and each device (cpu, and cuda when torch
+sees a GPU), runs connectors.sglang.engine_core.EngineCore in this process, no HTTP:
 
   parity    --parity-requests greedy requests of --max-new-tokens tokens (ignore_eos) on every
             device; the other devices' tokens and log-probs are compared with the CPU's
@@ -49,7 +49,7 @@ def log(msg: str) -> None:
 
 def run_batch(core: Any, prompts: list[list[int]], **sampling: Any) -> tuple[list[Any], float]:
     """Submit one request per prompt at once; wait for all; return them and the wall seconds."""
-    from streamrl.connectors.engine_core import GenRequest
+    from streamrl.connectors.sglang.engine_core import GenRequest
 
     done = threading.Semaphore(0)
     reqs = [GenRequest(rid=f"r{i}", input_ids=p, ignore_eos=True, on_done=lambda _: done.release(), **sampling)
@@ -66,7 +66,7 @@ def run_batch(core: Any, prompts: list[list[int]], **sampling: Any) -> tuple[lis
 
 
 def measure(model_dir: Path, device: str, args: argparse.Namespace) -> dict[str, Any]:
-    from streamrl.connectors.engine_core import EngineCore
+    from streamrl.connectors.sglang.engine_core import EngineCore
 
     core = EngineCore(model_dir, max_running=max(CONCURRENCY), device=device)
     thread = threading.Thread(target=core.run, daemon=True)
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = ap.parse_args()
     wall0, load0 = time.perf_counter(), os.getloadavg()[0]
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     out: dict[str, Any] = {"benchmark": "engine_devices", "devices": devices}

@@ -4,7 +4,7 @@ engine and through the real sglang-router in front of it; and a group of --group
 of one prompt sent as one `n` request against the same samples as separate requests.
 
 Builds a model (model_kit preset) in a temporary directory under runs/, starts the engine
-(streamrl.connectors.engine_server.serve) and sglang-router as subprocesses on 127.0.0.1, warms both
+(streamrl.connectors.sglang.engine_server.serve) and sglang-router as subprocesses on 127.0.0.1, warms both
 paths up, then measures. Prints one JSON object on stdout (progress on stderr); every process
 it starts is stopped on the way out.
 """
@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installe
 
 import msgspec  # noqa: E402
 
-from streamrl.connectors import sglang_api as api  # noqa: E402
-from streamrl.connectors.router import Router  # noqa: E402
-from streamrl.connectors.sglang_client import EngineError, GenerateResult, SGLangClient  # noqa: E402
+from streamrl.connectors.sglang import api  # noqa: E402
+from streamrl.connectors.sglang.router import Router  # noqa: E402
+from streamrl.connectors.sglang.client import EngineError, GenerateResult, SGLangClient  # noqa: E402
 
 from benchmarks._procs import start_engine, stop  # noqa: E402
 from benchmarks._report import emit, git_rev, machine  # noqa: E402
@@ -281,7 +281,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="engine_throughput-", dir=REPO / "runs"))
     procs: list[Any] = []
     try:
-        from streamrl.connectors.model_kit import PRESETS, init_model_dir
+        from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir
 
         log(f"building the {args.preset} model in {work}")
         model_dir = init_model_dir(work / "model", preset=args.preset)

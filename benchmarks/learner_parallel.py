@@ -49,7 +49,7 @@ def layout_name(layout: dict[str, int]) -> str:
 
 def run_layout(layout: dict[str, int], preset: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Start the layout's ranks, wait for them, and summarise what they reported."""
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
     from streamrl.connectors.ports import listen_socket, port_of
 
     world = layout["tp"] * layout["pp"] * layout["dp"]
@@ -81,7 +81,7 @@ def rank_main() -> None:
 
     torch.set_num_threads(max(1, a.threads // (a.tp * a.pp * a.dp)))  # the layout shares the cores
     from benchmarks.learner_step import make_batch
-    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, init_distributed
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_distributed
 
     world = a.tp * a.pp * a.dp
     init_distributed(rank, world, tp=a.tp, pp=a.pp, seed=0, port=port, listen_fd=fd if rank == 0 else None)

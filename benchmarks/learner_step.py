@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Learner step throughput: one RL training step of the megatron-core learner
-(streamrl.connectors.mcore_learner.MegatronLearner.rl_step) against a plain transformers model of the
+(streamrl.connectors.megatron.learner.MegatronLearner.rl_step) against a plain transformers model of the
 same weights doing the same step, on the same batch, per model_kit preset.
 
 The transformers side is written out by hand to do what rl_step does: the proximal
@@ -123,19 +123,19 @@ class TransformersLearner:
         self.max_tokens_per_micro_batch = max_tokens
 
     def _micro_batches(self, samples: Sequence[Any]) -> list[list[Any]]:
-        from streamrl.connectors.mcore_learner import MegatronLearner
+        from streamrl.connectors.megatron.learner import MegatronLearner
 
         return MegatronLearner._micro_batches(self, samples)  # type: ignore[arg-type]  # same split
 
     def _forward(self, b: Any, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from streamrl.connectors.mcore_batch import logprobs_and_entropy
+        from streamrl.connectors.megatron.batch import logprobs_and_entropy
 
         # Right padding: the causal mask alone keeps pads away from real tokens, as in TokenBatch.
         logits = self.model(input_ids=b.ids, position_ids=b.positions).logits
         return logprobs_and_entropy(logits, b.ids, temperature, with_entropy)
 
     def rl_step(self, samples: Sequence[Any], cfg: Any) -> dict[str, float]:
-        from streamrl.connectors.mcore_batch import TokenBatch
+        from streamrl.connectors.megatron.batch import TokenBatch
         from streamrl.core import algorithms as alg
 
         self.model.train()
@@ -175,7 +175,7 @@ class TransformersLearner:
 
 
 def make_batch(args: argparse.Namespace, vocab: int) -> list[Any]:
-    from streamrl.connectors.mcore_learner import Sample
+    from streamrl.connectors.megatron.learner import Sample
     from streamrl.core.algorithms import group_advantages
 
     rng = random.Random(0)
@@ -216,8 +216,8 @@ def first_stats(r: dict[str, float], digits: int | None = 6) -> dict[str, float]
 
 
 def bench_preset(preset: str, args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig
-    from streamrl.connectors.model_kit import PRESETS, init_model_dir
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig
+    from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir
 
     log(f"{preset}: building the model in {work / preset}")
     model_dir = init_model_dir(work / preset, preset=preset)
@@ -340,7 +340,7 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()  # no weight-loading / shard-writing bars on stderr
 
-    from streamrl.connectors.mcore_learner import init_single_process
+    from streamrl.connectors.megatron.learner import init_single_process
 
     (REPO / "runs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="learner_step-", dir=REPO / "runs"))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Can a learner and an engine that share one GPU form a weight group? For each backend named,
-two processes join one group through the product's `connectors/weight_sync` (the learner as
+two processes join one group through the product's `connectors/sglang/weight_sync` (the learner as
 rank 0 broadcasts a tensor from the GPU, the engine as rank 1 receives it into the GPU, as an
 engine's /update_weights_from_distributed does) and each says what happened.
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a plai
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from streamrl.connectors.weight_sync import broadcast, create_group, join_group, open_store, receive  # noqa: E402
+from streamrl.connectors.sglang.weight_sync import broadcast, create_group, join_group, open_store, receive  # noqa: E402
 
 TIMEOUT_S = 30
 

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from streamrl.connectors.auth import Keys
-from streamrl.connectors.sglang_client import SGLangClient
+from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.core.types import SampleGroup, make_group_id
 from streamrl.plugins.data import PromptSource
 from streamrl.producers.episode import Episode, to_samples

@@ -116,7 +116,7 @@ class PlacementCfg(_Cfg):
 
 
 class ModelInit(_Cfg):
-    """Build the model directory locally when it does not exist (connectors/model_kit.py)."""
+    """Build the model directory locally when it does not exist (connectors/megatron/model_kit.py)."""
 
     preset: Literal["tiny", "small"] = "tiny"
     seed: int = 0
@@ -577,7 +577,7 @@ def _model_shape(r: Recipe) -> dict[str, Any] | None:
         except (OSError, ValueError):
             return None  # the run reports an unreadable model directory itself
     if r.model.init is not None:
-        from streamrl.connectors.model_kit import PRESETS
+        from streamrl.connectors.megatron.model_kit import PRESETS
 
         return dict(PRESETS[r.model.init.preset])
     return None

@@ -73,7 +73,7 @@ def router_proc(engines):
     """The real sglang-router (round_robin, 127.0.0.1) with both session engines registered."""
     import asyncio
 
-    from streamrl.connectors.router import Router
+    from streamrl.connectors.sglang.router import Router
 
     from enginekit import descendants, pid_alive
 

@@ -41,7 +41,7 @@ def make_model_dir(out: str | Path, seed: int, sharpen: float = SHARPEN) -> Path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     out = init_model_dir(out, "tiny", seed=seed)
     if sharpen != 1.0:
@@ -151,7 +151,7 @@ class EngineProc:
     def __init__(self, model_dir: str | Path, log_path: str | Path, env: dict[str, str] | None = None,
                  **serve_kwargs: object) -> None:
         """`env`: added to the engine's environment (e.g. its keys, connectors/auth.py);
-        `serve_kwargs`: more arguments of connectors/engine_server.serve (e.g. weights_root)."""
+        `serve_kwargs`: more arguments of connectors/sglang/engine_server.serve (e.g. weights_root)."""
         from streamrl.connectors.ports import listen_socket, port_of
 
         self.model_dir = str(model_dir)
@@ -162,7 +162,7 @@ class EngineProc:
         # of ~0.4 s (thread oversubscription); on an idle machine both take ~0.3 s.
         with listen_socket() as sock:  # the engine inherits it: the port is never free to be taken
             self.port = port_of(sock)
-            code = (f"from streamrl.connectors.engine_server import serve; "
+            code = (f"from streamrl.connectors.sglang.engine_server import serve; "
                     f"serve({self.model_dir!r}, port={self.port}, sock_fd={sock.fileno()}, **{serve_kwargs!r})")
             self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=self._log,
                                          stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),),

@@ -26,6 +26,6 @@ def run_script(script: str, *args: str) -> Any:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model-kit directory, built once per test module."""
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     return init_model_dir(tmp_path_factory.mktemp("model") / "tiny", "tiny")

@@ -45,7 +45,7 @@ STEP_KEYS = ("step", "policy_version", "wall_time_s", "reward_mean", "staleness_
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen2 model directory (streamrl.connectors.model_kit.init_model_dir, preset tiny, seed 0)
+    """A tiny Qwen2 model directory (streamrl.connectors.megatron.model_kit.init_model_dir, preset tiny, seed 0)
     with its 2-D weights sharpened (enginekit.make_model_dir): a fresh tiny model samples from
     an almost uniform distribution, so every version's log-probs would be ~-log(vocab) and a
     log-prob check could not tell versions apart."""
@@ -446,7 +446,7 @@ class LogprobOracle:
 
 
 def engine_pids(model_dir: Path) -> list[int]:
-    """Embedded-engine processes serving `model_dir`: their command line (connectors/launcher.py
+    """Embedded-engine processes serving `model_dir`: their command line (connectors/sglang/launcher.py
     engine_command) holds the model directory and `engine_server` (the shim imports `serve`)."""
     pids = []
     for d in Path("/proc").iterdir():
@@ -607,7 +607,7 @@ def _ray_start(args: list[str], log: Path, ready: str, kill: bool = False) -> It
 def short_quickstart(root: Path) -> list[str]:
     """Overrides that make recipes/quickstart.yaml a 4-step run, on a model and task built in
     `root` (build them once per module: two runs at once must not both generate them)."""
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     from streamrl.plugins.tasks import write_task
 

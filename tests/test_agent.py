@@ -113,7 +113,7 @@ def test_to_samples_fails_episodes_without_a_model_turn_or_a_shared_prompt(tok: 
 
 
 def _client(url: str) -> Any:
-    from streamrl.connectors.sglang_client import SGLangClient
+    from streamrl.connectors.sglang.client import SGLangClient
 
     return SGLangClient(url)
 

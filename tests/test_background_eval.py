@@ -35,7 +35,7 @@ def _perturbed(base: Path, out: Path, seed: int) -> Path:
 def ray_cluster():
     import ray
 
-    from streamrl.connectors.launcher import ensure_ray
+    from streamrl.connectors.sglang.launcher import ensure_ray
 
     ensure_ray(num_cpus=2)
     try:
@@ -49,7 +49,7 @@ def ray_cluster():
 def test_background_eval_pins_each_version(tmp_path: Path, ray_cluster: None) -> None:
     from transformers import AutoTokenizer
 
-    from streamrl.connectors.sglang_client import SGLangClient
+    from streamrl.connectors.sglang.client import SGLangClient
     from streamrl.plugins.data import PromptRecord
     from streamrl.recipe import load_recipe
     from streamrl.runtime.background_eval import BackgroundEval

@@ -9,7 +9,7 @@ import os
 import aiohttp
 import pytest
 
-from streamrl.connectors.sglang_client import SGLangClient
+from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.runtime.broadcast import VersionBroadcaster
 from streamrl.runtime.runlog import RunLog
 

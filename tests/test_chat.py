@@ -54,7 +54,7 @@ def test_malformed_calls_come_back_as_content_with_the_reason(text: str, why: st
 
 
 def test_the_tiny_chat_template_renders_calls_in_the_parsed_format() -> None:
-    from streamrl.connectors.model_kit import build_tokenizer
+    from streamrl.connectors.megatron.model_kit import build_tokenizer
 
     tok = build_tokenizer()
     call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "37*86"}}}

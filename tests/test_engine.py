@@ -1,4 +1,4 @@
-"""The embedded engine (connectors/engine_server.py + engine_core.py) over real HTTP, in
+"""The embedded engine (connectors/sglang/engine_server.py + engine_core.py) over real HTTP, in
 subprocesses: log-probs against transformers, abort + greedy resume, weight updates from disk
 and over a gloo group, pause modes, bad input, SGLang's JSON contract (loaded from the sglang
 wheel), loopback binding and the chat template.
@@ -25,10 +25,10 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from streamrl.connectors import sglang_api as api
-from streamrl.connectors.engine_server import FLUSH_REFUSED
+from streamrl.connectors.sglang import api
+from streamrl.connectors.sglang.engine_server import FLUSH_REFUSED
 from streamrl.connectors.ports import listen_socket, port_of
-from streamrl.connectors.sglang_client import EngineError, SGLangClient
+from streamrl.connectors.sglang.client import EngineError, SGLangClient
 from streamrl.core.types import VersionSpan
 
 from enginekit import (
@@ -109,7 +109,7 @@ def test_batch_cache_survives_requests_leaving_and_joining(model_dirs, ref0):
     only when the batch changes, not on every decode step."""
     import threading
 
-    from streamrl.connectors.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
 
     core = EngineCore(model_dirs[0], max_running=8)
     core.prefill_batch = 2  # joins arrive over several steps, while earlier requests decode
@@ -138,7 +138,7 @@ def test_decode_writes_the_batch_cache_in_place(model_dirs, ref0):
     """A decode step writes its token's keys/values into the batch cache's buffers instead of
     copying the cache (transformers' DynamicCache concatenates): while the batch is unchanged the
     buffers stay the same storage until they fill up, and then grow by half, not by one token."""
-    from streamrl.connectors.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
 
     core = EngineCore(model_dirs[0], max_running=4)
     reqs = [GenRequest(rid=str(i), input_ids=prompt(i, 40), max_new_tokens=60, ignore_eos=True, temperature=0.0)
@@ -251,7 +251,7 @@ def test_weight_sync_broadcast_roundtrip():
 
     import torch
 
-    from streamrl.connectors.weight_sync import broadcast, create_group, join_group, open_store, receive
+    from streamrl.connectors.sglang.weight_sync import broadcast, create_group, join_group, open_store, receive
 
     store = open_store(2)
     sent = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([7, 8], dtype=torch.int64)]
@@ -302,7 +302,7 @@ def test_update_weights_from_disk(engine, model_dirs, ref0, ref1):
 def test_update_weights_from_distributed(engine, ref0, ref1):
     """The test process is the trainer (rank 0 of a gloo group, world size 2); the engine joins
     through /init_weights_update_group and receives every tensor of the seed-1 model."""
-    from streamrl.connectors.weight_sync import broadcast, create_group, dtype_name, open_store
+    from streamrl.connectors.sglang.weight_sync import broadcast, create_group, dtype_name, open_store
 
     store = open_store(2)
     port = store.port
@@ -352,7 +352,7 @@ def test_update_weights_from_distributed_bucketed(engine, ref0, ref1):
     """load_format "flattened_bucket" (as VersionBroadcaster sends it): the learner's packed
     weights in one broadcast; a layout the engine cannot take is a 400 before anything is
     received, and the engine keeps serving."""
-    from streamrl.connectors.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
+    from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
 
     store = open_store(2)
     port = store.port
@@ -395,7 +395,7 @@ def test_tp2_engine_joins_both_ranks(model_dirs, ref1, tmp_path):
     """An embedded engine started with tp=2 joins the weight group as SGLang's two TP ranks would
     (rank_offset + 0 and + 1 of world 1 + 2, streamrl/core/weight_group.py), both receive every
     broadcast, and the pushed weights are served."""
-    from streamrl.connectors.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
+    from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
     from streamrl.core.weight_group import weight_group
 
     g = weight_group([2])
@@ -430,7 +430,7 @@ def test_tp2_engine_joins_both_ranks(model_dirs, ref1, tmp_path):
 
 
 def test_embedded_engine_refuses_bad_tp(model_dirs):
-    from streamrl.connectors.engine_server import EngineServer
+    from streamrl.connectors.sglang.engine_server import EngineServer
 
     with pytest.raises(ValueError, match="tp must be an int >= 1, got 0"):
         EngineServer(model_dirs[0], tp=0)

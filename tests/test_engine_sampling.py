@@ -73,7 +73,7 @@ def _run_core(core, reqs) -> None:
 def test_group_of_n_costs_one_prefill(model_dirs, ref0):
     """n samples of one prompt are prefilled as one row (their KV shared) and each still gets
     the log-probs transformers gives its own tokens; n different prompts cost n prefills."""
-    from streamrl.connectors.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
 
     p = prompt(5, 12)
     core = EngineCore(model_dirs[0], max_running=16)
@@ -97,7 +97,7 @@ def test_engine_on_the_gpu_gives_the_cpus_tokens(model_dirs):
     CPU's tokens (seeded generators stay on the CPU), log-probs within fp32 noise."""
     import torch
 
-    from streamrl.connectors.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -117,7 +117,7 @@ def test_engine_on_the_gpu_gives_the_cpus_tokens(model_dirs):
 def test_group_larger_than_free_slots_is_prefilled_per_admission(model_dirs, ref0):
     """A group bigger than max_running is admitted as slots free up: each admission turn
     prefills its part once, and every sample is still right."""
-    from streamrl.connectors.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
 
     p = prompt(6, 10)
     core = EngineCore(model_dirs[0], max_running=3)
@@ -232,7 +232,7 @@ def test_input_token_logprobs(engine, sgl, ref0):
 def _req(seed: int | None, **sp):
     import torch
 
-    from streamrl.connectors.engine_core import GenRequest
+    from streamrl.connectors.sglang.engine_core import GenRequest
 
     r = GenRequest(rid=str(seed), input_ids=[1], sampling_seed=seed, **sp)
     r.generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -245,7 +245,7 @@ def test_batched_sampling_follows_the_softmax_of_each_row():
     log_softmax(logits / T) of the token drawn."""
     import torch
 
-    from streamrl.connectors.engine_core import _pick_many
+    from streamrl.connectors.sglang.engine_core import _pick_many
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")], [0.0, 0.0, 3.0, 0.0, 0.0]])
     temps = (1.0, 0.7)
@@ -263,7 +263,7 @@ def test_batched_sampling_follows_the_softmax_of_each_row():
 def test_a_seeded_row_samples_the_same_alone_or_in_any_batch():
     import torch
 
-    from streamrl.connectors.engine_core import _pick_many
+    from streamrl.connectors.sglang.engine_core import _pick_many
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
@@ -278,7 +278,7 @@ def test_top_k_top_p_greedy_and_bad_rows_in_one_batch():
     row whose logits are NaN fails alone (an exception in its place, the others sampled)."""
     import torch
 
-    from streamrl.connectors.engine_core import _pick_many
+    from streamrl.connectors.sglang.engine_core import _pick_many
 
     logits = torch.tensor([[0.0, 5.0, 4.9, -2.0], [0.0, 5.0, 4.9, -2.0], [float("nan")] * 4, [1.0, 0.0, 0.0, 3.0]])
     reqs = [_req(1, top_k=1), _req(2, temperature=0.0), _req(3), _req(4, top_p=1e-6)]

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from streamrl.connectors.auth import ADMIN_PATHS, Keys
-from streamrl.connectors.sglang_client import EngineError, SGLangClient, retryable
+from streamrl.connectors.sglang.client import EngineError, SGLangClient, retryable
 
 from enginekit import EngineProc
 
@@ -129,7 +129,7 @@ def test_a_tiny_temperature_is_greedy_not_a_crash(locked_engine):
 def test_one_requests_sampling_error_fails_that_request_only(model_dirs):
     """The scheduler: a request whose numbers make sampling raise (a NaN temperature, past the
     server's validation) is finished with its error; the request decoded with it goes on."""
-    from streamrl.connectors.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
 
     core = EngineCore(model_dirs[0], max_running=4)
     threading.Thread(target=core.run, daemon=True).start()
@@ -152,7 +152,7 @@ def test_one_requests_sampling_error_fails_that_request_only(model_dirs):
 @pytest.mark.parametrize("keys", [KEYS, Keys("-starts-like-an-option", "-admin"), Keys.new()],
                          ids=["plain", "leading-dash", "fresh"])
 def test_router_wants_the_keys_and_never_shows_them(tmp_path, keys):
-    from streamrl.connectors.router import Router
+    from streamrl.connectors.sglang.router import Router
 
     router = Router(keys=keys, log_dir=tmp_path).start()
     try:

@@ -71,7 +71,7 @@ def _wait_gone(procs: dict[int, int], timeout_s: float) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     return init_model_dir(tmp_path_factory.mktemp("model") / "tiny", "tiny")
 
@@ -83,7 +83,7 @@ def stack(tmp_path: Path):
     gained still running after that is SIGKILLed."""
     import ray
 
-    from streamrl.connectors.launcher import ensure_ray
+    from streamrl.connectors.sglang.launcher import ensure_ray
 
     before = set(_descendants(os.getpid()))
     seen: dict[int, int] = {}
@@ -111,7 +111,7 @@ def test_engine_commands() -> None:
     import json
     import sys
 
-    from streamrl.connectors.engine_process import engine_command
+    from streamrl.connectors.sglang.engine_process import engine_command
 
     emb = engine_command("embedded", "/m", 1234, weight_version="3", engine_kwargs={"max_running": 8},
                          parent_pid=42)
@@ -135,9 +135,9 @@ def test_engine_commands() -> None:
 def test_launcher_restarts_dead_engine_behind_router(tiny_model: Path, stack: dict) -> None:
     import ray
 
-    from streamrl.connectors.launcher import EngineLauncher
-    from streamrl.connectors.router import Router
-    from streamrl.connectors.sglang_client import SGLangClient
+    from streamrl.connectors.sglang.launcher import EngineLauncher
+    from streamrl.connectors.sglang.router import Router
+    from streamrl.connectors.sglang.client import SGLangClient
 
     t0 = time.monotonic()
     timings: dict[str, float] = {}

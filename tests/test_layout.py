@@ -126,8 +126,9 @@ def test_long_files_say_why() -> None:
 def test_readme_layout_table_matches_the_tree() -> None:
     text = (REPO / "README.md").read_text()
     table = text[text.index("## Layout"):]
-    named = set(re.findall(r"`(streamrl/[\w/]+/|connectors/|pools/|recipes/|benchmarks/|tests/)`", table))
+    named = set(re.findall(r"`(streamrl/[\w/]+/|connectors/[\w/]*|pools/|recipes/|benchmarks/|tests/)`", table))
     packages = {f"streamrl/{d.name}/" for d in (REPO / "streamrl").iterdir() if (d / "__init__.py").exists()}
+    packages |= {f"connectors/{d.name}/" for d in (REPO / "connectors").iterdir() if (d / "__init__.py").exists()}
     packages |= {"connectors/", "pools/", "recipes/", "benchmarks/", "tests/", "streamrl/core/algorithms/"}
     assert packages - named == set(), f"missing from the README's layout table: {sorted(packages - named)}"
     assert named - packages == set(), f"in the README's layout table but not in the tree: {sorted(named - packages)}"

@@ -73,7 +73,7 @@ def test_splits_are_disjoint_and_labels_exact(task: dict[str, Path]):
 
 
 def test_response_lengths_have_a_long_tail_and_fit_the_tiny_model(task: dict[str, Path]):
-    from connectors.model_kit import PRESETS, build_tokenizer
+    from connectors.megatron.model_kit import PRESETS, build_tokenizer
 
     tok = build_tokenizer()
 

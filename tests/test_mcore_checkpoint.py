@@ -1,4 +1,4 @@
-"""Learner checkpoints (connectors/mcore_checkpoint.py): a resumed run repeats the original
+"""Learner checkpoints (connectors/megatron/checkpoint.py): a resumed run repeats the original
 bit for bit; a save SIGKILLed at any moment leaves a complete checkpoint behind; a damaged
 file is refused by name; the HF export loads in transformers with the learner's logits
 (tests/test_mcore_checkpoint_layouts.py: other parallel layouts; _safety.py: tampering).
@@ -25,8 +25,8 @@ TRAIN = """
     import sys, json, random
     import numpy as np, torch
     from safetensors.torch import save_file
-    from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
-    from streamrl.connectors import mcore_checkpoint as mc
+    from streamrl.connectors.megatron.learner import MegatronLearner, init_single_process
+    from streamrl.connectors.megatron import checkpoint as mc
     model_dir, root, mode, out = sys.argv[1:5]
     init_single_process()
     learner = MegatronLearner(model_dir, lr=3e-3, warmup_steps=5, weight_decay=0.01, micro_batch_size=8)
@@ -97,7 +97,7 @@ CRASH = """
     import sys, os, json, signal, hashlib, time, traceback
     import numpy, safetensors.torch, torch
     import megatron.core.dist_checkpointing, torch.distributed as dist
-    from streamrl.connectors import mcore_checkpoint as mc
+    from streamrl.connectors.megatron import checkpoint as mc
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports take ~1 s: once, here
 
     class Adam:  # torch AdamW with warm-up behind the learner optimizer's checkpoint interface (mcore_optimizer)
@@ -203,7 +203,7 @@ CRASH = """
 
 @pytest.mark.slow
 def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
-    from streamrl.connectors.mcore_checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+    from streamrl.connectors.megatron.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 
     root = tmp_path / "ckpt"
     rng = random.Random(0)
@@ -294,7 +294,7 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_checkpoint_is_refused_naming_the_file(first_run: tuple[Path, Path, dict], tmp_path: Path,
                                                          damage: str) -> None:
-    from streamrl.connectors.mcore_checkpoint import CheckpointError, load_checkpoint, verify_checkpoint
+    from streamrl.connectors.megatron.checkpoint import CheckpointError, load_checkpoint, verify_checkpoint
 
     root = tmp_path / "ckpt"
     shutil.copytree(first_run[0], root)
@@ -314,7 +314,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(first_run: tuple[Path, 
 
 @pytest.mark.slow
 def test_a_damaged_latest_pointer_is_refused(first_run: tuple[Path, Path, dict], tmp_path: Path) -> None:
-    from streamrl.connectors.mcore_checkpoint import CheckpointError, load_checkpoint
+    from streamrl.connectors.megatron.checkpoint import CheckpointError, load_checkpoint
 
     root = tmp_path / "ckpt"
     shutil.copytree(first_run[0], root)
@@ -329,9 +329,9 @@ def test_a_damaged_latest_pointer_is_refused(first_run: tuple[Path, Path, dict],
 
 EXPORT = """
     import sys, json, torch
-    from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
-    from streamrl.connectors.mcore_batch import TokenBatch
-    from streamrl.connectors import mcore_checkpoint as mc
+    from streamrl.connectors.megatron.learner import MegatronLearner, init_single_process
+    from streamrl.connectors.megatron.batch import TokenBatch
+    from streamrl.connectors.megatron import checkpoint as mc
     model_dir, out, logits_file = sys.argv[1:4]
     init_single_process()
     learner = MegatronLearner(model_dir, lr=1e-2)

@@ -1,4 +1,4 @@
-"""Sharded learner checkpoints across parallel layouts (connectors/mcore_checkpoint.py): a
+"""Sharded learner checkpoints across parallel layouts (connectors/megatron/checkpoint.py): a
 checkpoint saved at tp=2, dp=2 or pp=2 loads into one process (and one saved by one process
 loads at tp=2) with the saved weights and Adam moments, and training goes on with the losses
 and gradient norms of a single process that never stopped. A damaged shard is named on every rank.
@@ -24,8 +24,8 @@ SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     from safetensors.torch import save_file
     from megatron.core import parallel_state as mpu
-    from streamrl.connectors import mcore_checkpoint as mc
-    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_distributed
+    from streamrl.connectors.megatron import checkpoint as mc
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, Sample, init_distributed
     rank, world, port, fd = map(int, sys.argv[1:5])
     model, work, phases = sys.argv[5], sys.argv[6], json.loads(sys.argv[7])
     rng = random.Random(0)
@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
 
     class NoCuda(torch.overrides.TorchFunctionMode):
         # pp > 1 ties the last stage's output layer to the embedding with `weight.data.cuda()`
-        # at build time; helper pp's CPU patch (connectors/megatron_cpu.py) covers it there
+        # at build time; helper pp's CPU patch (connectors/megatron/cpu_shim.py) covers it there
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return args[0] if func is torch.Tensor.cuda else func(*args, **(kwargs or {}))
 
@@ -149,7 +149,7 @@ def _same_weights(work: Path, a: str, b: str) -> None:
 
 @pytest.mark.slow
 def test_checkpoints_load_across_tp_dp_pp_layouts(tmp_path: Path) -> None:
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     model = init_model_dir(tmp_path / "tiny", "tiny")
     work = tmp_path / "work"

@@ -1,5 +1,5 @@
 """A tampered run directory cannot run code when a learner checkpoint loads
-(connectors/mcore_checkpoint.py, connectors/mcore_sharded.py): pickles placed in the DCP
+(connectors/megatron/checkpoint.py, connectors/megatron/sharded.py): pickles placed in the DCP
 `.metadata`, megatron's `common.pt` or an RNG file, with the manifest re-signed, are refused by
 name; a model extra state that would be stored as a pickle is refused at save time."""
 
@@ -13,8 +13,8 @@ TAMPER = """
     import io, json, os, pickle, shutil, sys, torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-    from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
-    from streamrl.connectors import mcore_checkpoint as mc
+    from streamrl.connectors.megatron.learner import MegatronLearner, init_single_process
+    from streamrl.connectors.megatron import checkpoint as mc
     model_dir, root, marker = sys.argv[1:4]
     init_single_process()
     learner = MegatronLearner(model_dir, lr=1e-2)

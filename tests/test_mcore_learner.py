@@ -14,7 +14,7 @@ from learnerkit import model_dir, run_script  # noqa: F401 - model_dir is a fixt
 
 SFT = """
     import sys, time, random, json
-    from streamrl.connectors.mcore_learner import MegatronLearner, init_single_process
+    from streamrl.connectors.megatron.learner import MegatronLearner, init_single_process
     init_single_process()
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(sys.argv[1])
@@ -40,9 +40,9 @@ def test_sft_lowers_the_loss(model_dir: Path) -> None:
 
 RL = """
     import sys, json, threading, torch
-    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_single_process
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, Sample, init_single_process
     init_single_process()
-    from streamrl.connectors.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
     from streamrl.core.algorithms import group_advantages
     eng = EngineCore(sys.argv[1])
     threading.Thread(target=eng.run, daemon=True).start()
@@ -84,7 +84,7 @@ def test_first_step_on_fresh_on_policy_data_has_ratio_one_and_zero_kl(model_dir:
 
 BATCH = """
     import sys, json, random, hashlib, copy, torch
-    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_single_process
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, Sample, init_single_process
     init_single_process()
     def batch(seed=0, empty=None):
         rng = random.Random(seed)
@@ -117,7 +117,7 @@ MINI = BATCH + """
     learner = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=64)
     m = learner.rl_step(batch(), RLConfig())
     by_hand = MegatronLearner(sys.argv[1], lr=3e-3, micro_batch_size=64)
-    from streamrl.connectors.mcore_batch import TokenBatch
+    from streamrl.connectors.megatron.batch import TokenBatch
     rows = batch()
     b = TokenBatch([(s.prompt, s.response) for s in rows]).to(by_hand.device)
     with torch.no_grad():

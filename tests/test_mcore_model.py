@@ -14,15 +14,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import sys, json, torch, torch.distributed as dist
-    from streamrl.connectors import megatron_cpu
-    megatron_cpu.apply()
+    from streamrl.connectors.megatron import cpu_shim
+    cpu_shim.apply()
     from megatron.core import parallel_state
     from streamrl.connectors.ports import tcp_store
     dist.init_process_group("gloo", store=tcp_store(1), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    megatron_cpu.seed_cpu(0)
+    cpu_shim.seed_cpu(0)
     from transformers import AutoModelForCausalLM
-    from streamrl.connectors.mcore_model import load_model, hf_state_dict
+    from streamrl.connectors.megatron.model import load_model, hf_state_dict
     out = {}
     for d in sys.argv[1:]:
         model, bridge = load_model(d)
@@ -47,7 +47,7 @@ def test_mbridge_qwen2_and_llama_match_transformers(tmp_path: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
     qwen = init_model_dir(tmp_path / "qwen2", "tiny")
     torch.manual_seed(0)  # Llama: GQA, untied output layer, no qkv bias
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -67,16 +67,16 @@ def test_mbridge_qwen2_and_llama_match_transformers(tmp_path: Path) -> None:
 
 LOGPROB_SCRIPT = textwrap.dedent("""
     import sys, json, threading, torch, torch.distributed as dist
-    from streamrl.connectors import megatron_cpu
-    megatron_cpu.apply()
+    from streamrl.connectors.megatron import cpu_shim
+    cpu_shim.apply()
     from megatron.core import parallel_state
     from streamrl.connectors.ports import tcp_store
     dist.init_process_group("gloo", store=tcp_store(1), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    megatron_cpu.seed_cpu(0)
-    from streamrl.connectors.engine_core import EngineCore, GenRequest
-    from streamrl.connectors.mcore_batch import TokenBatch, logprobs_and_entropy
-    from streamrl.connectors.mcore_model import load_model
+    cpu_shim.seed_cpu(0)
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.megatron.batch import TokenBatch, logprobs_and_entropy
+    from streamrl.connectors.megatron.model import load_model
     eng = EngineCore(sys.argv[1])
     threading.Thread(target=eng.run, daemon=True).start()
     done, ev = [], threading.Event()
@@ -108,7 +108,7 @@ LOGPROB_SCRIPT = textwrap.dedent("""
 def test_learner_logprobs_equal_engine_rollout_logprobs(tmp_path: Path, temperature: float) -> None:
     import json
 
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
     d = init_model_dir(tmp_path / "m", "tiny")
     r = subprocess.run([sys.executable, "-c", LOGPROB_SCRIPT, str(d), str(temperature)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.connectors.mcore_batch import balanced_split
+from streamrl.connectors.megatron.batch import balanced_split
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     rank, world, tp, pp, port, fd = map(int, sys.argv[1:7])
     model_dir, out, distopt = sys.argv[7], sys.argv[8], sys.argv[9] == "1"
     from safetensors.torch import save_file
-    from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, Sample, init_distributed
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, Sample, init_distributed
     init_distributed(rank, world, tp=tp, pp=pp, seed=0, port=port, listen_fd=fd if rank == 0 else None)
     rng = random.Random(0)
     samples = [Sample(prompt=[rng.randrange(500) for _ in range(5 + g)],
@@ -86,7 +86,7 @@ def test_tp2_pp2_dp2_match_one_process(tmp_path: Path) -> None:
     """One reference run, then each 2-rank layout (one test: each launch costs 15-25 s of CI).
     Every rank must report the same metrics as rank 0, and they and the published weights
     must equal one process's."""
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     model = init_model_dir(tmp_path / "tiny", "tiny")
     single = _launch(1, 1, 1, model, tmp_path / "single")
@@ -142,7 +142,7 @@ def test_balanced_split_balances_tokens_deterministically() -> None:
 def test_dp_share_keeps_groups_whole_and_balances_tokens() -> None:
     """The learner's split of a claimed batch: whole groups, every row once over the ranks,
     token counts balanced (a round robin by group id would put 16 groups of tokens on one)."""
-    from streamrl.connectors.mcore_learner import MegatronLearner, Sample
+    from streamrl.connectors.megatron.learner import MegatronLearner, Sample
 
     samples = [Sample(prompt=[1] * 4, response=[2] * (40 if g < 2 else 4), group=g) for g in range(6) for _ in range(2)]
     shares = []

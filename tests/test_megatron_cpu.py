@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.connectors import megatron_cpu
+from streamrl.connectors.megatron import cpu_shim
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_pinned_megatron_version() -> None:
-    assert megatron_cpu.check_version().startswith(megatron_cpu.PINNED + ".")
+    assert cpu_shim.check_version().startswith(cpu_shim.PINNED + ".")
 
 
 @pytest.mark.parametrize("module, name, needle", [
@@ -43,7 +43,7 @@ def test_pinned_megatron_version() -> None:
     ("megatron.core.utils", "local_multi_tensor_l2_norm", 'device="cuda"'),
 ])
 def test_patched_spots_still_hard_code_cuda(module: str, name: str, needle: str) -> None:
-    """If this fails, megatron-core changed the spot: re-check connectors/megatron_cpu.py."""
+    """If this fails, megatron-core changed the spot: re-check connectors/megatron/cpu_shim.py."""
     import importlib
 
     obj = importlib.import_module(module)
@@ -59,7 +59,7 @@ def test_cpu_views_of_torch_redirect_only_cuda() -> None:
     inside the wrapped call."""
     import torch
 
-    view = megatron_cpu._torch_on_cpu()
+    view = cpu_shim._torch_on_cpu()
     assert view.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
     assert view.zeros(2, 3).shape == (2, 3) and view.zeros(2, device="cpu").device.type == "cpu"
     assert view.cuda.current_device() == "cpu" and view.cuda.synchronize() is None
@@ -69,9 +69,9 @@ def test_cpu_views_of_torch_redirect_only_cuda() -> None:
     def moves(t: torch.Tensor) -> torch.Tensor:
         return t.cuda() + 1
 
-    wrapped = megatron_cpu._cuda_is_cpu(moves)
+    wrapped = cpu_shim._cuda_is_cpu(moves)
     assert torch.equal(wrapped(torch.ones(2)), torch.full((2,), 2.0)) and wrapped.__wrapped__ is moves
-    assert megatron_cpu._cuda_is_cpu(lambda t: t.type())(torch.ones(1)) == "torch.cuda.FloatTensor"
+    assert cpu_shim._cuda_is_cpu(lambda t: t.type())(torch.ones(1)) == "torch.cuda.FloatTensor"
     assert torch.ones(1).type() == "torch.FloatTensor"  # only inside the wrapped call
     if not torch.cuda.is_available():
         with pytest.raises((AssertionError, RuntimeError)):  # outside the wrapper .cuda() still fails
@@ -80,8 +80,8 @@ def test_cpu_views_of_torch_redirect_only_cuda() -> None:
 
 SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
-    from streamrl.connectors import megatron_cpu
-    assert megatron_cpu.apply()
+    from streamrl.connectors.megatron import cpu_shim
+    assert cpu_shim.apply()
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -90,7 +90,7 @@ SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo", store=tcp_store(1), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     def build():
-        megatron_cpu.seed_cpu(0)
+        cpu_shim.seed_cpu(0)
         cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             ffn_hidden_size=192, use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
             activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=True,

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from streamrl.connectors.mcore_batch import plan_micro_batches
+from streamrl.connectors.megatron.batch import plan_micro_batches
 
 
 def padded(plan: list[list[int]], lengths: list[int]) -> int:

@@ -49,7 +49,7 @@ def scripted_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny model trained until its greedy replies are SCRIPT's."""
     import torch
 
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
     from streamrl.runtime.rollout import encode_prompt
 
     from enginekit import hf_greedy, load_model
@@ -91,7 +91,7 @@ async def _load(url: str, model_dir: str) -> None:
 @asynccontextmanager
 async def _agent(engine_url: str, tok: Any, temperature: float = 0.0) -> AsyncIterator[Callable[[], Any]]:
     """A factory of (episode, openai client for it) pairs served by one proxy."""
-    from streamrl.connectors.sglang_client import SGLangClient
+    from streamrl.connectors.sglang.client import SGLangClient
     from streamrl.producers.openai_proxy import OpenAIProxy
 
     proxy = OpenAIProxy()

@@ -48,7 +48,7 @@ def test_wheel_holds_every_package_and_the_files_a_run_needs(wheel: Path) -> Non
     assert _packages_in_tree() - packages == set(), "packages missing from the wheel"
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"streamrl"}, f"top-level names other than streamrl: {tops}"
-    for needed in ("streamrl/core/algorithms/losses.py", "streamrl/connectors/megatron_cpu.py",
+    for needed in ("streamrl/core/algorithms/losses.py", "streamrl/connectors/megatron/cpu_shim.py",
                    "streamrl/plugins/tasks.py", "streamrl/recipes/quickstart.yaml", "streamrl/recipes/starter.yaml",
                    "streamrl/recipes/starter_rewards.py", "streamrl/recipes/envs/calculator.py"):
         assert needed in names, needed

@@ -26,7 +26,7 @@ def _query(run_dir: Path, sql: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.megatron.model_kit import init_model_dir
     from streamrl.plugins.tasks import write_task
 
     root = tmp_path_factory.mktemp("qs-export")

@@ -115,7 +115,7 @@ def test_router_on_a_taken_port_is_refused_as_taken(tmp_path: Path):
     """The real sglang-router, started on a port somebody else holds: PortTaken (it exits with
     'address in use', or the port answers from outside its process tree), never a router that
     seems up at somebody else's server."""
-    from streamrl.connectors.router import Router
+    from streamrl.connectors.sglang.router import Router
 
     with listen_socket() as busy:
         router = Router(port=port_of(busy), log_dir=tmp_path)

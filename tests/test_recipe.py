@@ -429,7 +429,7 @@ def test_cli_check_missing_file_exits_2(tmp_path):
 
 
 def test_learner_section_maps_onto_the_rl_objective():
-    from streamrl.connectors.mcore_learner import RLConfig
+    from streamrl.connectors.megatron.learner import RLConfig
 
     r = load_recipe(QUICKSTART, ["learner.off_policy=decoupled", "learner.dual_clip=3", "learner.loss_agg=group",
                                  "rollout.temperature=0.7", "learner.decoupled_cap=5", "learner.mini_batches=4",

@@ -16,8 +16,8 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from streamrl.connectors.router import Router
-from streamrl.connectors.sglang_client import SGLangClient
+from streamrl.connectors.sglang.router import Router
+from streamrl.connectors.sglang.client import SGLangClient
 
 from enginekit import (
     descendants,

@@ -1,4 +1,4 @@
-"""connectors/weight_sync.py's buckets (SGLang's "flattened_bucket" layout) and the embedded
+"""connectors/sglang/weight_sync.py's buckets (SGLang's "flattened_bucket" layout) and the embedded
 engine's checked weight load: byte-exact round trips, the bucket plan, clear refusals."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from streamrl.connectors.weight_sync import (
+from streamrl.connectors.sglang.weight_sync import (
     BUCKET_FORMAT,
     broadcast,
     create_group,
@@ -122,8 +122,8 @@ def test_receive_refuses_an_unknown_load_format():
 
 
 def test_engine_load_checks_the_whole_update_first(tmp_path):
-    from streamrl.connectors.engine_core import EngineCore
-    from streamrl.connectors.model_kit import init_model_dir
+    from streamrl.connectors.sglang.engine_core import EngineCore
+    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     core = EngineCore(init_model_dir(tmp_path / "m", "tiny"))
     own = core.model.state_dict()

@@ -62,7 +62,7 @@ class _Toy:
 def ray_local():
     import ray
 
-    from streamrl.connectors.launcher import ensure_ray
+    from streamrl.connectors.sglang.launcher import ensure_ray
 
     here = str(Path(__file__).parent)  # the actors' class lives in this module
     ensure_ray(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}})

@@ -3,7 +3,7 @@ format (Qwen/Hermes `<tool_call>{json}</tool_call>`, written and parsed), stop s
 token boundary, incremental detokenization, and the SSE chunks of a completion.
 
 The OpenAI proxy (streamrl/producers/openai_proxy.py) and agent episodes (streamrl/producers/episode.py)
-call these; the tiny model's chat template (connectors/model_kit.py) renders tool calls in the same
+call these; the tiny model's chat template (connectors/megatron/model_kit.py) renders tool calls in the same
 format, and the SFT data that teaches it (streamrl/plugins/tool_tasks.py) is written with
 `format_tool_call`.
 """

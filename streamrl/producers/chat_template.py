@@ -3,7 +3,7 @@ that an episode (streamrl/producers/episode.py) adds only the template text that
 model's own tokens (token-in/token-out: what the model generated is never re-tokenized).
 
 Messages may carry OpenAI `tool_calls` (their `arguments` a JSON string) and `tool` results; the
-template renders them (the tiny model's: Qwen/Hermes `<tool_call>` blocks, connectors/model_kit.py).
+template renders them (the tiny model's: Qwen/Hermes `<tool_call>` blocks, connectors/megatron/model_kit.py).
 """
 
 from __future__ import annotations

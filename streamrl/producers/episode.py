@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from streamrl.connectors import sglang_api as api
-from streamrl.connectors.sglang_client import ENGINE_FAILURES, retryable
+from streamrl.connectors.sglang import api
+from streamrl.connectors.sglang.client import ENGINE_FAILURES, retryable
 from streamrl.core import chat, partial
 from streamrl.core.types import Sample, VersionSpan
 from streamrl.producers.chat_template import ConversationError, chat_delta

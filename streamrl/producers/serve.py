@@ -115,7 +115,7 @@ def start_service_process(run_dir: str | Path, cwd: str | Path, log_path: str | 
                           timeout_s: float = 60, host: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start `python -m streamrl produce serve RUN_DIR --quiet` in `cwd` (the run's working directory:
     recipe paths are relative to it), dying with its parent; return it and its URL once /health answers."""
-    from streamrl.connectors.router import _die_with_parent
+    from streamrl.connectors.sglang.router import _die_with_parent
 
     cwd, log_path = Path(cwd), Path(log_path)
     rd = Path(run_dir) if Path(run_dir).is_absolute() else cwd / run_dir

@@ -81,8 +81,8 @@ class BackgroundEval:
 
     async def start(self) -> None:
         """Start the eval engine (a Ray actor, not registered with any router) and wait until it is healthy."""
-        from streamrl.connectors.launcher import EngineLauncher
-        from streamrl.connectors.sglang_client import SGLangClient
+        from streamrl.connectors.sglang.launcher import EngineLauncher
+        from streamrl.connectors.sglang.client import SGLangClient
 
         # The launcher's actor recipe (GPUs for SGLang, a clear error when the cluster has none),
         # but no CPU reserved: the run's Ray cluster is sized for the rollout engines.

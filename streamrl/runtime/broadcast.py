@@ -2,7 +2,7 @@
 
 Paths (recipe `engines.weight_sync`):
 - `distributed`: a torch.distributed group of its own (gloo on CPU, NCCL on GPU); the learner is
-  rank 0 and broadcasts the weights in buckets (connectors/weight_sync.py) while every engine
+  rank 0 and broadcasts the weights in buckets (connectors/sglang/weight_sync.py) while every engine
   receives them through SGLang's `/update_weights_from_distributed` (load_format
   "flattened_bucket", one request per bucket). The group is re-formed when the set of engines changes
   (an engine restarted); a push that fails falls back to disk for that version.
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamrl.connectors.router import Router
+from streamrl.connectors.sglang.router import Router
 from streamrl.core.types import EnginePaused, EngineResumed, VersionPublished
 from streamrl.core.weight_group import weight_group
 from streamrl.runtime import faultpoint
@@ -84,7 +84,7 @@ class VersionBroadcaster:
             self._meta = await self.learner.weights_meta.remote()
 
     async def _push_distributed(self, version: int, flush: bool) -> None:
-        from streamrl.connectors.weight_sync import BUCKET_FORMAT, plan_buckets
+        from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, plan_buckets
 
         await self._ensure_group()
         names, dtypes, shapes = self._meta
@@ -176,7 +176,7 @@ class VersionBroadcaster:
 
     async def on_engine_restart(self, index: int, url: str) -> None:
         """A restarted engine loads the current version from disk before it takes traffic."""
-        from streamrl.connectors.sglang_client import SGLangClient
+        from streamrl.connectors.sglang.client import SGLangClient
 
         path = str(self.weights_dir / f"v{self.version:06d}")
         if not Path(path, "config.json").exists():

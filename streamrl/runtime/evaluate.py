@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Any
 
-from streamrl.connectors.sglang_client import SGLangClient
+from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.plugins.data import PromptRecord
 from streamrl.plugins.rewards import RewardHub
 from streamrl.recipe import Recipe

@@ -4,7 +4,7 @@ run at exactly that moment (mid-broadcast, mid-checkpoint). Unset, as it always 
 tests, `reached` returns at once.
 
 Points: `publish` (engines paused, new weights not yet pushed), `checkpoint.<stage>` for the
-stages of `streamrl.connectors.mcore_checkpoint.save_checkpoint` (`files`: written to the temporary
+stages of `streamrl.connectors.megatron.checkpoint.save_checkpoint` (`files`: written to the temporary
 directory, not yet renamed into place).
 """
 

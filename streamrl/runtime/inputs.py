@@ -14,7 +14,7 @@ from streamrl.runtime.runlog import RunLog
 def prepare_inputs(r: Recipe, log: RunLog) -> None:
     """Build what the recipe says to build when missing: the tiny model, the task data."""
     if r.model.init is not None and not (Path(r.model.path) / "config.json").exists():
-        from streamrl.connectors.model_kit import init_model_dir
+        from streamrl.connectors.megatron.model_kit import init_model_dir
 
         init_model_dir(r.model.path, r.model.init.preset, r.model.init.seed)
     if r.data.generate is not None and not Path(r.data.path).exists():

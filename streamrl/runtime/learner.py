@@ -29,8 +29,8 @@ from streamrl.recipe import Recipe
 
 
 def learner_rows(groups: list[SampleGroup], method: str) -> tuple[list[Any], list[float]]:
-    """Learner rows (streamrl.connectors.mcore_learner.Sample) and the scored rewards of a batch."""
-    from streamrl.connectors.mcore_learner import Sample as Row
+    """Learner rows (streamrl.connectors.megatron.learner.Sample) and the scored rewards of a batch."""
+    from streamrl.connectors.megatron.learner import Sample as Row
 
     rows, rewards = [], []
     scored_groups = []
@@ -93,7 +93,7 @@ class WeightSource:
     def export(self, out_dir: str, version: int | None = None) -> str:
         """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model),
         or of the pinned `version` (background evaluation: later steps may have trained meanwhile)."""
-        from streamrl.connectors.mcore_checkpoint import export_hf
+        from streamrl.connectors.megatron.checkpoint import export_hf
 
         if version is None:
             return str(export_hf(self, self.model_dir, out_dir))
@@ -102,7 +102,7 @@ class WeightSource:
         return str(export_hf(_Weights(self._pinned.pop(version)), self.model_dir, out_dir))
 
     def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
-        from streamrl.connectors.weight_sync import dtype_name
+        from streamrl.connectors.sglang.weight_sync import dtype_name
 
         state = self.hf_state_dict()
         return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
@@ -111,7 +111,7 @@ class WeightSource:
         """First half of forming the weight group: its store, served here on `host` (ports.NODE:
         this node's cluster address); returns the address and port engines join at."""
         from streamrl.connectors.ports import bind_host
-        from streamrl.connectors.weight_sync import open_store
+        from streamrl.connectors.sglang.weight_sync import open_store
 
         host = bind_host(host)
         self._store = open_store(world_size, host)
@@ -119,7 +119,7 @@ class WeightSource:
 
     def init_weight_group(self, world_size: int, group_name: str, backend: str) -> None:
         """Second half: rank 0 of the group (returns once every engine has joined)."""
-        from streamrl.connectors.weight_sync import create_group
+        from streamrl.connectors.sglang.weight_sync import create_group
 
         assert self._store is not None, "open_weight_store first"
         self._group = create_group(self._store, world_size, group_name, backend=backend)
@@ -130,7 +130,7 @@ class WeightSource:
     def push_weights(self, bucketed: bool = False) -> None:
         """Broadcast the weights to the engines (rank 0 of the weight group), in buckets or
         (`bucketed=False`) one tensor at a time: as the engines were told (weight_sync)."""
-        from streamrl.connectors.weight_sync import broadcast
+        from streamrl.connectors.sglang.weight_sync import broadcast
 
         assert self._group is not None, "init_weight_group first"
         broadcast(self._group, list(self.hf_state_dict().values()), bucketed=bucketed)
@@ -143,7 +143,7 @@ class LearnerDriver(WeightSource):
         process group through the store at `store_port` (0: a single process serves its own)."""
         import torch.distributed as dist
 
-        from streamrl.connectors.mcore_learner import MegatronLearner, RLConfig, init_distributed
+        from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_distributed
         from streamrl.recipe import learner_layout
 
         tp, pp, dp = learner_layout(recipe)
@@ -181,7 +181,7 @@ class LearnerDriver(WeightSource):
     def _take_snapshot(self) -> None:
         """The weights engines get, gathered from every rank's shards (collective); rank 0 keeps
         the copy, so pushing and exporting never need the other ranks."""
-        from streamrl.connectors.weight_sync import pack
+        from streamrl.connectors.sglang.weight_sync import pack
 
         state = self.learner.hf_state_dict()
         self._snapshot = pack(state) if self.rank == 0 else None
@@ -193,7 +193,7 @@ class LearnerDriver(WeightSource):
         import msgspec
         import torch.distributed as dist
 
-        from streamrl.connectors.mcore_learner import Sample
+        from streamrl.connectors.megatron.learner import Sample
 
         data = msgspec.msgpack.encode(rows) if self.rank == 0 else b""
         n = torch.tensor([len(data)], dtype=torch.int64)
@@ -320,7 +320,7 @@ class LearnerDriver(WeightSource):
     def restore(self, root: str, version: int | None = None) -> dict[str, Any] | None:
         """Load the newest checkpoint under `root` (or the one of `version`): model, optimizer,
         scheduler, RNG, policy version. Returns its `extra`, or None when there is none."""
-        from streamrl.connectors.mcore_checkpoint import latest_checkpoint, load_checkpoint
+        from streamrl.connectors.megatron.checkpoint import latest_checkpoint, load_checkpoint
 
         if version is None and latest_checkpoint(root) is None:
             return None
@@ -342,12 +342,12 @@ class LearnerDriver(WeightSource):
         """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step
         may have trained since the caller asked: the next step overlaps the publish in stream mode).
         Returns {path, step, version}."""
-        from streamrl.connectors import mcore_checkpoint
-        from streamrl.connectors.mcore_checkpoint import save_checkpoint
+        from streamrl.connectors.megatron import checkpoint as megatron_checkpoint
+        from streamrl.connectors.megatron.checkpoint import save_checkpoint
         from streamrl.runtime import faultpoint
 
         if os.environ.get(faultpoint.ENV):
-            mcore_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
+            megatron_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
         with self._lock:
             step = self.last_step
             # The step's metrics too: when this step trained after the caller asked, the run may stop before the

@@ -132,7 +132,7 @@ class SyncLearner:
     def __init__(self, recipe: Recipe, model_dir: str, tokenizer_dir: str) -> None:
         import math
 
-        from streamrl.connectors.launcher import ensure_ray
+        from streamrl.connectors.sglang.launcher import ensure_ray
 
         ensure_ray(num_cpus=math.prod(learner_layout(recipe)) + 1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         self._loop = asyncio.new_event_loop()

@@ -24,9 +24,9 @@ import logging
 from collections import Counter
 from typing import Any
 
-from streamrl.connectors import sglang_api as api
+from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys
-from streamrl.connectors.sglang_client import ENGINE_FAILURES, SGLangClient, retryable
+from streamrl.connectors.sglang.client import ENGINE_FAILURES, SGLangClient, retryable
 from streamrl.core import partial, staleness
 from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_group_id
 from streamrl.plugins.data import PromptRecord, PromptSource

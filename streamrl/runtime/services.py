@@ -40,7 +40,7 @@ class Services:
         self.log = RunLog(self.dir, echo=progress, mirror=mirror)
         self.eta = mode_bound(recipe.run.mode, recipe.staleness.max_staleness)
         self.router: Any = None
-        self.engines: Any = None  # streamrl.connectors.launcher.EngineLauncher
+        self.engines: Any = None  # streamrl.connectors.sglang.launcher.EngineLauncher
         self.learner: Any = None  # the learner actor (streamrl/runtime/learner.py)
         self.crew: Any = None  # the rollout workers (streamrl/runtime/workers.py)
         self.engines_pg: Any = None  # placement groups (streamrl/runtime/placement.py); the learner's is its own
@@ -62,8 +62,8 @@ class Services:
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from streamrl.connectors.launcher import EngineLauncher, RayUnavailable, engine_gpus, ensure_ray
-        from streamrl.connectors.router import Router
+        from streamrl.connectors.sglang.launcher import EngineLauncher, RayUnavailable, engine_gpus, ensure_ray
+        from streamrl.connectors.sglang.router import Router
         from streamrl.runtime import placement
         from streamrl.runtime.broadcast import VersionBroadcaster
         from streamrl.runtime.learner_group import LearnerGroup

@@ -167,7 +167,7 @@ class Runtime:
         """Held-out accuracy at the version the engines serve now (eval.jsonl)."""
         if not self.r.data.eval_path:
             return None
-        from streamrl.connectors.sglang_client import SGLangClient
+        from streamrl.connectors.sglang.client import SGLangClient
         from streamrl.runtime.evaluate import evaluate
 
         async with SGLangClient(self.svc.router.url, keys=self.svc.keys) as c:

@@ -315,7 +315,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
     if args.cmd == "model":
-        from streamrl.connectors.model_kit import init_model_dir
+        from streamrl.connectors.megatron.model_kit import init_model_dir
 
         out = init_model_dir(args.out_dir, args.preset, args.seed)
         print(f"wrote {args.preset} model and tokenizer to {out}")
@@ -323,7 +323,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "engine":
         from pathlib import Path
 
-        from streamrl.connectors.engine_server import serve
+        from streamrl.connectors.sglang.engine_server import serve
 
         if not (Path(args.model) / "config.json").is_file():
             raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "

@@ -85,7 +85,7 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, int]]:
     """(version, last step trained) of every checkpoint, oldest first."""
     import json
 
-    from streamrl.connectors.mcore_checkpoint import list_checkpoints
+    from streamrl.connectors.megatron.checkpoint import list_checkpoints
 
     out = []
     for v, p in list_checkpoints(run_dir / "checkpoints"):

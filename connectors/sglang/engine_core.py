@@ -7,7 +7,7 @@ DynamicCache concatenates, i.e. copies the whole cache, on every step, and once 
 built from tensors). The capacity grows by half when full (amortised O(1) per token). When
 requests leave, their rows are dropped with one index_select per layer; only a request that
 joins (after its prefill, with a cache of its own) is padded in. No HTTP, no asyncio: the
-server (connectors/engine_server.py) drives it from a thread.
+server (connectors/sglang/engine_server.py) drives it from a thread.
 
 Prefill shares identical sequences: requests admitted together whose prompt (+ kept output)
 is the same token list are run as one row and share its KV (views of one tensor; the batch

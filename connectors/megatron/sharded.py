@@ -1,13 +1,13 @@
 """The learner's state as megatron `dist_checkpointing` sharded state: model parameters and
 Adam moments as ShardedTensors with each parameter's global shape and offset, so a state
 saved with one tensor/pipeline/data-parallel layout loads into another. Used by
-connectors/mcore_checkpoint.py, which owns the directory protocol around it.
+connectors/megatron/checkpoint.py, which owns the directory protocol around it.
 
 - Model: `model.sharded_state_dict()` (megatron GPTModel: keys carry global layer numbers,
   TP shards their offsets, replicas a `replica_id`, so one rank writes each shard). A plain
   torch module has no sharding: its tensors are saved whole, by rank 0.
 - Optimizer: Adam's `exp_avg` / `exp_avg_sq` of a parameter (whole, however the distributed
-  optimizer slices them over data-parallel ranks: connectors/mcore_optimizer.py) get that
+  optimizer slices them over data-parallel ranks: connectors/megatron/optimizer.py) get that
   parameter's sharding, under megatron's key names (`optimizer.state.<key>.<parameter key>`);
   `step` is common (Adam steps all parameters together), as in megatron's own optimizer.
   The optimizer's hyper-parameters are saved for the record and come from the recipe on load.
@@ -104,7 +104,7 @@ def optimizer_common(opt: Any) -> dict[str, Any]:
     """What is the same on every rank: the common Adam `step` (None before the first), the
     state's tensor keys, and the param groups' hyper-parameters (without their parameters).
     Collective over DP with the distributed optimizer."""
-    from streamrl.connectors.mcore_optimizer import STATE_KEYS
+    from streamrl.connectors.megatron.optimizer import STATE_KEYS
 
     step = opt.step_count()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]

@@ -26,7 +26,7 @@ from streamrl.connectors.ports import (
     says_address_in_use,
     start_on_free_port,
 )
-from streamrl.connectors.sglang_client import SGLangClient
+from streamrl.connectors.sglang.client import SGLangClient
 
 if sys.platform.startswith("linux"):
     import ctypes

@@ -20,7 +20,7 @@ Pipeline parallelism (`get_forward_backward_func` with pp > 1) adds:
 - mbridge's `broadcast_from_megatron_pp` (its weight export across stages) allocates the
   receiving tensor on `torch.cuda.current_device()`.
 Megatron's DistributedDataParallel and optimizer (`get_megatron_optimizer`, the distributed
-optimizer included; connectors/mcore_optimizer.py) add:
+optimizer included; connectors/megatron/optimizer.py) add:
 - `distributed.param_and_grad_buffer` allocates the parameter / gradient buffers on
   `torch.cuda.current_device()`; `optimizer.optimizer` and `optimizer.clip_grads` make flags
   and norms with `torch.tensor(..., device="cuda")`, as does `utils.local_multi_tensor_l2_norm`
@@ -104,7 +104,7 @@ def check_version() -> str:
 
     v = version("megatron-core")
     if not v.startswith(PINNED + "."):
-        raise RuntimeError(f"connectors/megatron_cpu.py was written for megatron-core {PINNED}.x, found {v}: "
+        raise RuntimeError(f"connectors/megatron/cpu_shim.py was written for megatron-core {PINNED}.x, found {v}: "
                            "re-check each patched spot (tests/test_megatron_cpu.py) and update PINNED")
     return v
 

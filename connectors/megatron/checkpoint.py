@@ -20,7 +20,7 @@ One format for every layout, one process included (one code path, and a single-p
 checkpoint then loads at tp=2 with nothing to convert): a checkpoint saved with any tensor /
 pipeline / data-parallel layout loads into any other (tp2 -> tp1, dp2 -> dp1, pp2 -> pp1,
 1 -> 2), because every tensor is stored by its global shape and offsets
-(connectors/mcore_sharded.py). RNG states are per rank: restored where the layout matches,
+(connectors/megatron/sharded.py). RNG states are per rank: restored where the layout matches,
 otherwise every rank takes rank 0's python / numpy / torch CPU states (with a warning).
 Small files go through `torch.save` of tensors and Python scalars, read back with
 `torch.load(weights_only=True)`; the DCP `.metadata` pickle is read first by an unpickler that
@@ -72,7 +72,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from streamrl.connectors import mcore_sharded as ms
+from streamrl.connectors.megatron import sharded as ms
 
 T = TypeVar("T")
 
@@ -491,7 +491,7 @@ def _read(d: Path, name: str, fn: Callable[[Path], T]) -> T:
 def _verified(d: Path, checksums: bool) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Every rank checks its share of the files against the manifest, then reads what is read
     before megatron's loader: (manifest, meta, this rank's RNG state). Nothing that could
-    run code is read (see connectors/mcore_sharded.py)."""
+    run code is read (see connectors/megatron/sharded.py)."""
     manifest = _on_every_rank(lambda r, w: _read_manifest(d))
     names = sorted(manifest["files"])
     _on_every_rank(lambda r, w: _check_files(d, manifest, names[r::w], checksums))

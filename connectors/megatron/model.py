@@ -86,7 +86,7 @@ def hf_state_dict(model: Any, bridge: Any) -> dict[str, torch.Tensor]:
     shards and broadcasts each PP stage's tensors to the other stages, so every rank of the
     model-parallel group must call it. Each tensor goes to host memory as it comes: a second whole
     copy of the model on the GPU would not fit beside a large one (the NCCL weight push moves
-    buckets to the GPU as it sends them, connectors/weight_sync.py). With tied embeddings and
+    buckets to the GPU as it sends them, connectors/sglang/weight_sync.py). With tied embeddings and
     pp > 1 the last stage's copy of the embedding comes under the same HF name as the first
     stage's (equal values: their gradients are summed). Without grad: mbridge broadcasts the
     parameters themselves, an in-place op autograd refuses on a leaf that requires grad

@@ -14,7 +14,7 @@ reduce-scattered and parameters all-gathered) when there is more than one DP ran
   steps taken, as torch's LR schedulers do; `scheduler_state` / `load_scheduler_state`).
 - `param_states` / `load_param_states`: Adam's moments per model parameter, in the parameter's
   own (tensor-parallel shard) shape whatever the data-parallel layout, so a checkpoint written
-  with one layout loads with another (connectors/mcore_checkpoint.py). With the distributed
+  with one layout loads with another (connectors/megatron/checkpoint.py). With the distributed
   optimizer each rank contributes its slice and the slices are summed over DP (collective).
 """
 

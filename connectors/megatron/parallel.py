@@ -10,7 +10,7 @@ Layout (megatron's order): ranks are grouped tp-fastest, then dp, then pp; world
   and the log-probs, and `from_last_stage` hands tensors/numbers to the other stages so every
   rank takes the same decisions and reports the same metrics.
 - DP: the batch is split by the learner; gradients are reduced by megatron's
-  DistributedDataParallel and finalize_model_grads (connectors/mcore_optimizer.py), which also
+  DistributedDataParallel and finalize_model_grads (connectors/megatron/optimizer.py), which also
   sums the gradients of tied embeddings over their two stages when pp > 1.
 """
 
@@ -31,12 +31,12 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
     starter serves: the learner group's driver)."""
     import torch.distributed as dist
 
-    from streamrl.connectors import megatron_cpu
+    from streamrl.connectors.megatron import cpu_shim
     from streamrl.connectors.ports import tcp_store
 
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp * pp = {tp} * {pp}")
-    megatron_cpu.apply()
+    cpu_shim.apply()
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -53,7 +53,7 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        megatron_cpu.seed_cpu(seed)
+        cpu_shim.seed_cpu(seed)
 
 
 class _GatherVocab(torch.autograd.Function):

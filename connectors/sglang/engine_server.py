@@ -27,9 +27,9 @@ import msgspec
 import torch
 from aiohttp import web
 
-from streamrl.connectors import sglang_api as api
+from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys
-from streamrl.connectors.engine_core import EngineCore, GenRequest
+from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
 
 _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refused, not ignored
     "stream": False, "lora_path": None, "custom_logit_processor": None, "return_hidden_states": False,
@@ -396,7 +396,7 @@ class EngineServer:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         req: api.InitGroupReq = await _decode(request, api.InitGroupReq)
-        from streamrl.connectors.weight_sync import join_group
+        from streamrl.connectors.sglang.weight_sync import join_group
 
         loop = asyncio.get_running_loop()
         # SGLang joins each TP rank as rank_offset + tp_rank (streamrl/core/weight_group.py); this
@@ -441,7 +441,7 @@ class EngineServer:
             raise HTTPError(400, "call /init_weights_update_group first")
         if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
             raise HTTPError(400, "names, dtypes and shapes must have the same length")
-        from streamrl.connectors.weight_sync import receive
+        from streamrl.connectors.sglang.weight_sync import receive
 
         # Receive outside the engine thread (generation goes on), then swap between steps.
         loop = asyncio.get_running_loop()

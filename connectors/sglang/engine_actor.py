@@ -12,7 +12,7 @@ Both speak the same HTTP API. Every engine binds 127.0.0.1 unless told another a
 `LOG_DIR/engine-<i>.log` (appended across restarts). The engine runs in its own process group
 (stopped with SIGTERM, then SIGKILL, to the whole group) and a watchdog thread inside the engine
 process exits as soon as its parent (the actor) is gone, so `ray.kill`, `ray.shutdown` or a
-crashed driver also take the engines down. `streamrl/connectors/launcher.py` runs N of them.
+crashed driver also take the engines down. `streamrl/connectors/sglang/launcher.py` runs N of them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from streamrl.connectors.auth import Keys, write_private
-from streamrl.connectors.engine_process import engine_command
+from streamrl.connectors.sglang.engine_process import engine_command
 from streamrl.connectors.ports import (
     PortTaken,
     bind_host,

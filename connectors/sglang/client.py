@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from streamrl.connectors import sglang_api as api
+from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys, bearer
 from streamrl.core.types import VersionSpan
 

@@ -1,6 +1,6 @@
 """The megatron-core learner: SFT and RL steps on a GPTModel built from an HF directory.
 
-Optimizer (connectors/mcore_optimizer.py): megatron's DistributedDataParallel and Adam from
+Optimizer (connectors/megatron/optimizer.py): megatron's DistributedDataParallel and Adam from
 `get_megatron_optimizer`, the distributed optimizer when there are several data-parallel ranks
 (each keeps 1/dp of Adam's moments). Gradient clipping by global norm; LR schedule linear
 warm-up then constant (counted in optimizer steps). A claimed batch is trained in
@@ -14,7 +14,7 @@ groups with at least one token in the loss), so an optimizer step equals one pas
 whole mini-batch, however it was cut. A step whose loss or gradient norm is not finite is skipped (weights,
 optimizer and LR schedule untouched) and counted.
 
-Parallelism (connectors/mcore_parallel.py): tensor, pipeline and data parallel ranks. Every
+Parallelism (connectors/megatron/parallel.py): tensor, pipeline and data parallel ranks. Every
 forward and backward goes through megatron's `get_forward_backward_func` schedule (1F1B when
 pp > 1); the last pipeline stage computes log-probs and losses and hands the proximal
 log-probs and the step's numbers to the other stages, so every rank takes the same decisions
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from streamrl.connectors.mcore_batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
-from streamrl.connectors.mcore_parallel import Parallel, init_distributed
+from streamrl.connectors.megatron.batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
+from streamrl.connectors.megatron.parallel import Parallel, init_distributed
 from streamrl.core import algorithms as alg
 from streamrl.core.algorithms import offpolicy
 from streamrl.core.algorithms.objective import LossInputs, RLConfig, micro_batch_loss
@@ -68,8 +68,8 @@ class MegatronLearner:
                  warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False,
                  distributed_optimizer: bool = True, adam_eps: float = 1e-8,
                  max_tokens_per_micro_batch: int | None = None) -> None:
-        from streamrl.connectors.mcore_model import load_model
-        from streamrl.connectors.mcore_optimizer import Optimizer
+        from streamrl.connectors.megatron.model import load_model
+        from streamrl.connectors.megatron.optimizer import Optimizer
 
         self.model, self.bridge = load_model(model_dir)  # with pp > 1: this stage's chunk
         self.ref = load_model(model_dir)[0].eval() if with_reference else None
@@ -289,7 +289,7 @@ class MegatronLearner:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model under HF names, on every rank (collective over the model-parallel
         group: TP shards and PP stages are gathered); tensors on the parameters' device."""
-        from streamrl.connectors.mcore_model import hf_state_dict
+        from streamrl.connectors.megatron.model import hf_state_dict
 
         return hf_state_dict(self.model, self.bridge)
 

@@ -1,6 +1,6 @@
 """The engine process's command line (embedded engine or real SGLang) under a parent watchdog.
 
-No Ray here: the engine actor (connectors/engine_actor.py) runs this command, and so do the
+No Ray here: the engine actor (connectors/sglang/engine_actor.py) runs this command, and so do the
 benchmarks that start engines as plain processes.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 # Runs inside the engine process before the engine itself: argv[1] is the actor's pid, argv[2]
 # the backend, the rest its arguments. The watchdog makes the engine exit with its actor.
-_SHIM = r"""# streamrl engine process (connectors/engine_process.py)
+_SHIM = r"""# streamrl engine process (connectors/sglang/engine_process.py)
 import os, sys, threading, time
 _parent = int(sys.argv[1])
 def _watchdog():
@@ -26,7 +26,7 @@ threading.Thread(target=_watchdog, name="parent-watchdog", daemon=True).start()
 _backend, _args = sys.argv[2], sys.argv[3:]
 if _backend == "embedded":
     import json
-    from streamrl.connectors.engine_server import serve
+    from streamrl.connectors.sglang.engine_server import serve
     serve(**json.loads(_args[0]))
 else:
     import runpy

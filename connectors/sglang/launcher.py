@@ -1,4 +1,4 @@
-"""Engine launcher: N inference engines as Ray actors (connectors/engine_actor.py), registered
+"""Engine launcher: N inference engines as Ray actors (connectors/sglang/engine_actor.py), registered
 with the sglang-router and kept alive (a dead engine is removed from the router, restarted on a
 new port and re-registered); and `ensure_ray`, which gives a run its own local Ray instance or
 joins the cluster its recipe names.
@@ -27,9 +27,9 @@ from typing import Any
 
 import ray
 from streamrl.connectors.auth import Keys
-from streamrl.connectors.engine_actor import BACKENDS, EngineActor
+from streamrl.connectors.sglang.engine_actor import BACKENDS, EngineActor
 from streamrl.connectors.ports import LOOPBACK, listen_socket, port_of
-from streamrl.connectors.router import Router
+from streamrl.connectors.sglang.router import Router
 
 log = logging.getLogger(__name__)
 
