@@ -4,7 +4,7 @@ The scheduling is StreamRL's own: admission control and its split between rollou
 (`staleness.admission_capacity` within the run's `run_budget`, `capacity_share`), the learner's
 claim (`staleness.select_groups`, oldest started first, whole groups, the consumption policy),
 partial-rollout transitions (`partial.Trajectory`, `next_request`, `absorb`) and the ledger
-(`ledger.compute_ledger`). The three loops below read like `streamrl/loop.py`. What is modelled
+(`ledger.compute_ledger`). The three loops below read like `streamrl/runtime/loop.py`. What is modelled
 instead of run: engines (decode-iteration time vs batch size, prefill, a cap on running requests,
 pauses), the learner (time per token per GPU) and the weight broadcast (bytes / bandwidth + latency).
 
@@ -443,7 +443,7 @@ class Run:
         self._pump()
 
 
-# ------------------------------------------------------------------ the three loops (streamrl/loop.py)
+# ------------------------------------------------------------------ the three loops (streamrl/runtime/loop.py)
 
 
 def stream(cl: Run, steps: int) -> Generator[Any, Any, None]:

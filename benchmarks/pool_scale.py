@@ -50,7 +50,7 @@ from benchmarks.pool_throughput import (
 )
 from streamrl.core.claims import claim_columns
 from streamrl.pools import LancePool
-from streamrl.pools.inspect import pool_query, pool_stats
+from streamrl.pools.queries import pool_query, pool_stats
 from streamrl.pools.schema import claims_to_table
 
 BUILD_CHUNK = 256  # groups generated and appended at a time (bounded memory at any size)

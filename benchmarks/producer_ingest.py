@@ -129,7 +129,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from streamrl.producers.serve import start_service_process, stop_service_process
+    from streamrl.producers.api_process import start_service_process, stop_service_process
 
     run_dir = make_run(work)
     proc, url = start_service_process("run", work, work / "service.log")

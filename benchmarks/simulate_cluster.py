@@ -245,7 +245,7 @@ def main_simulate(a: argparse.Namespace) -> None:
 def cpu_setup(measured: dict[str, Any], c1_tok_s: float, c64_tok_s: float, max_running: int
               ) -> tuple[Cluster, Workload, dict[str, Any]]:
     """The recipe as stream_vs_lockstep.py ran it (long-tail by default), from what that run measured."""
-    from streamrl.pools.inspect import pool_query
+    from streamrl.pools.queries import pool_query
     from streamrl.pools.lance_pool import LancePool
     from streamrl.recipe import load_recipe
 

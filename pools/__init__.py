@@ -15,12 +15,12 @@ os.environ.setdefault("LANCEDB_LOG", "error")
 
 from typing import TYPE_CHECKING, Any
 
-from streamrl.pools.base import ExperiencePool, NoPool, PoolError
+from streamrl.pools.errors import NoPool, PoolError
 
 if TYPE_CHECKING:
     from streamrl.pools.lance_pool import LancePool
 
-__all__ = ["ExperiencePool", "LancePool", "NoPool", "PoolError", "open_pool", "resolve_pool", "resolve_pool_uri"]
+__all__ = ["LancePool", "NoPool", "PoolError", "open_pool", "resolve_pool", "resolve_pool_uri"]
 
 
 def __getattr__(name: str) -> Any:
@@ -67,9 +67,18 @@ def resolve_pool_uri(run_dir_or_uri: str) -> str:
     return resolve_pool(run_dir_or_uri)[0]
 
 
-def open_pool(run_dir_or_uri: str, *, create: bool = False, **kwargs: Any) -> LancePool:
+def open_pool(run_dir_or_uri: str | os.PathLike[str], *, create: bool = False, config: Any = None,
+              **kwargs: Any) -> LancePool:
+    """The one way StreamRL opens a pool. `run_dir_or_uri`: a run directory or a pool URI
+    (resolve_pool). `config`: a recipe's `pool` section, whose storage options and commit sizes
+    apply; `kwargs` are LancePool's (they win), e.g. compact_every=0 for a process that only
+    appends, or write_ahead=config.write_ahead for a producer."""
+    # lancedb loads here, on first use (see __getattr__ above).
     from streamrl.pools.lance_pool import LancePool
 
-    uri, options = resolve_pool(run_dir_or_uri)
+    uri, options = resolve_pool(str(run_dir_or_uri))
+    if config is not None:
+        options = {**options, **config.storage_options}
+        kwargs = {"commit_max_rows": config.commit_max_rows, "commit_linger_ms": config.commit_linger_ms, **kwargs}
     options = {**options, **kwargs.pop("storage_options", {})}
     return LancePool(uri, create=create, storage_options=options, **kwargs)

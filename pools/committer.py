@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from streamrl.pools.base import PoolError
+from streamrl.pools.errors import PoolError
 from streamrl.pools.reads import quote
 from streamrl.pools.wal import WriteAheadLog, dead_logs, read_segment
 

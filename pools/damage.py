@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from streamrl.pools.base import NoPool, PoolError
+from streamrl.pools.errors import NoPool, PoolError
 
 
 def check_files(uri: str, datasets: Iterable[Any]) -> None:

@@ -266,7 +266,7 @@ def export(pool: LancePool, out: str, *, where: str | None = None, kind: str = "
     in `fmt` (default from `out`'s suffix) and return a summary."""
     from tqdm import tqdm
 
-    from streamrl.pools.inspect import load_decoder
+    from streamrl.pools.queries import load_decoder
 
     if kind not in KINDS:
         raise ExportError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")

@@ -38,7 +38,7 @@ import pyarrow as pa
 from streamrl.core.ledger import compute_ledger
 from streamrl.core.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup
 from streamrl.pools import compaction, damage, reads
-from streamrl.pools.base import NoPool, PoolError
+from streamrl.pools.errors import NoPool, PoolError
 from streamrl.pools.claimer import Claimer, Select
 from streamrl.pools.committer import Committer, Item, retry_conflicts
 from streamrl.pools.reads import quote

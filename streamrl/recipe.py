@@ -170,7 +170,7 @@ class RolloutCfg(_Cfg):
 
 
 class StalenessCfg(_Cfg):
-    max_staleness: NonNegInt = 1  # eta; 0 = on-policy
+    max_staleness: NonNegInt = 1  # the bound (AReaL eta); 0 = on-policy
     policy: ConsumptionPolicy = "drop"
     partial_rollout: PartialRolloutPolicy = "abort_resume"
     # finish_old: after a new version is ready, engines keep generating on the old weights for this
@@ -302,6 +302,12 @@ class Recipe(_Cfg):
     @property
     def pool_uri(self) -> str:
         return self.pool.uri or str(self.run_dir / "pool")
+
+    @property
+    def max_staleness(self) -> int:
+        """The staleness bound the run trains under, computed here only: the mode's
+        (lockstep 0, one_step_off 1) or, in stream mode, `staleness.max_staleness`."""
+        return mode_bound(self.run.mode, self.staleness.max_staleness)
 
 
 # ---------------------------------------------------------------- loading
@@ -535,7 +541,7 @@ def _learner_conflicts(r: Recipe) -> list[tuple[str, str]]:
     """Off-policy keys set for a correction that does not read them, bands that are empty, and
     mini-batches that cannot each hold a whole group."""
     lc, out = r.learner, []
-    chosen = corrections.resolve(lc.off_policy, mode_bound(r.run.mode, r.staleness.max_staleness))
+    chosen = corrections.resolve(lc.off_policy, r.max_staleness)
     why = "" if lc.off_policy != "auto" else f" (auto, for run.mode {r.run.mode}" + (
         f" with staleness.max_staleness {r.staleness.max_staleness})" if r.run.mode == "stream" else ")")
     for key in corrections.DEFAULTS:
@@ -613,7 +619,7 @@ def learner_summary(r: Recipe) -> str:
     """One line: the off-policy correction the learner will apply (`auto` resolved, unset keys
     at their defaults) and its optimizer steps per claimed batch."""
     lc = r.learner
-    chosen = corrections.resolve(lc.off_policy, mode_bound(r.run.mode, r.staleness.max_staleness))
+    chosen = corrections.resolve(lc.off_policy, r.max_staleness)
     keys = ", ".join(f"{k} {v}" for k, v in corrections.params(chosen, lc).items())
     auto = f" (auto, for run.mode {r.run.mode})" if lc.off_policy == "auto" else ""
     steps = lc.mini_batches * lc.epochs

@@ -6,7 +6,6 @@ why in its opening lines; every package is in the README's table."""
 from __future__ import annotations
 
 import ast
-import importlib
 import os
 import re
 import subprocess
@@ -134,19 +133,6 @@ def test_readme_layout_table_matches_the_tree() -> None:
     assert named - packages == set(), f"in the README's layout table but not in the tree: {sorted(named - packages)}"
 
 
-def test_old_module_paths_are_the_new_modules() -> None:
-    import streamrl
-    from streamrl.recipe import resolve_fn
-
-    for old, new in streamrl.MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    assert resolve_fn("streamrl.rewards:exact_match") is resolve_fn("streamrl.plugins.rewards:exact_match")
-    from streamrl.producer import ProducerClient  # the SDK's documented import
-    from streamrl.producers.sdk import ProducerClient as New
-
-    assert ProducerClient is New
-
-
 def test_a_recipe_naming_the_old_examples_path_is_told_the_installed_one(tmp_path: Path) -> None:
     """Outside the repository root `recipes.envs...` does not import: exit 2 naming streamrl.recipes.envs..."""
     import subprocess
@@ -165,7 +151,7 @@ def test_reading_a_recipe_does_not_import_torch() -> None:
     """The CLI's pool/check commands and the rollout workers only read recipes: importing torch
     would add about a second to each of them (streamrl/core/corrections.py keeps the recipe's
     off-policy names out of the torch formulas)."""
-    code = ("import sys, streamrl.recipe, streamrl.runtime.rollout, streamrl.pools.inspect; "
+    code = ("import sys, streamrl.recipe, streamrl.runtime.rollout, streamrl.pools.queries; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -1,11 +1,11 @@
-"""Whether a cluster's nodes can hold a run's placement groups (streamrl/core/placement.py),
+"""Whether a cluster's nodes can hold a run's placement groups (streamrl/core/capacity.py),
 and the recipe keys that ask for them."""
 
 from __future__ import annotations
 
 import pytest
 
-from streamrl.core.placement import GroupRequest, bundles, shortfall
+from streamrl.core.capacity import GroupRequest, bundles, shortfall
 
 TWO_NODES = [{"CPU": 8, "GPU": 4, "trainer": 1}, {"CPU": 8, "GPU": 4}]
 

@@ -45,7 +45,7 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_dpo_pairs_of_a_quickstart_run_load_with_datasets(quickstart_run: Path, tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets", reason="the Hugging Face load check needs `datasets` (test extra)")
     from streamrl.pools import open_pool
-    from streamrl.pools.inspect import load_decoder
+    from streamrl.pools.queries import load_decoder
 
     out = tmp_path / "pairs"
     where = "status = 'consumed'"

@@ -28,7 +28,7 @@ import yaml
 from streamrl.core.types import Admission, VersionPublished, make_group_id, to_json, to_msgpack
 from streamrl.producers.intake import Submission
 from streamrl.producers.sdk import ProducerClient, ProducerError
-from streamrl.producers.serve import start_service_process, stop_service_process
+from streamrl.producers.api_process import start_service_process, stop_service_process
 from streamrl.runtime.runlog import RunLog
 
 from poolkit import make_group
@@ -479,7 +479,7 @@ def test_one_service_per_run_and_a_group_admitted_but_not_stored_is_stored_once(
 
 
 def test_version_tail_reads_only_whole_new_lines(tmp_path: Path):
-    from streamrl.producers.service import VersionTail
+    from streamrl.producers.api_app import VersionTail
 
     path = tmp_path / "events.jsonl"
     tail = VersionTail(path)
@@ -521,7 +521,7 @@ def test_a_failed_pool_write_is_retried_without_a_second_admission(tmp_path: Pat
     the SDK retries the 503, and the group ends up admitted once and stored once."""
     from aiohttp.test_utils import TestServer
 
-    from streamrl.producers.serve import open_service
+    from streamrl.producers.api_process import open_service
 
     make_run(tmp_path)
     monkeypatch.chdir(tmp_path)  # recipe paths are relative to the run's working directory

@@ -87,7 +87,7 @@ def _crew(tmp_path: Path, n: int, spawned: list[tuple[int, int, Any]], placeable
         opts = {} if placeable(k) else {"resources": {"no_such_node": 1}}
         return toy.options(**opts).remote(i, version, state, dies(k), dies_at_start(k))
 
-    return Crew(spawn, [None] * n, version=3, eta=2, log=RunLog(tmp_path, echo=False), handover_s=handover_s)
+    return Crew(spawn, [None] * n, version=3, max_staleness=2, log=RunLog(tmp_path, echo=False), handover_s=handover_s)
 
 
 async def _until(cond: Any, timeout_s: float = 30.0) -> None:
@@ -252,7 +252,7 @@ def test_a_worker_that_dies_every_time_it_starts_ends_the_run(tmp_path: Path, ra
 
 
 class _StarvedCrew:
-    """What `Runtime` sees of the crew while it waits for a batch: reports, the budget calls."""
+    """What `Steps` sees of the crew while it waits for a batch: reports, the budget calls."""
 
     def __init__(self, reports: list[dict[str, Any]]) -> None:
         self.rows, self.added, self.restarts = reports, [], 0
@@ -275,12 +275,12 @@ def _runtime(tmp_path: Path, crew: Any, learner: Any = None) -> Any:
 
     from streamrl.recipe import load_recipe
     from streamrl.runtime.runlog import RunLog
-    from streamrl.runtime.steps import Runtime
+    from streamrl.runtime.steps import Steps
 
     r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
-    svc = SimpleNamespace(r=r, log=RunLog(tmp_path, echo=False), eta=2, start_step=0, wall_offset=0.0, version=0,
+    svc = SimpleNamespace(r=r, log=RunLog(tmp_path, echo=False), max_staleness=2, start_step=0, wall_offset=0.0, version=0,
                           crew=crew, learner=learner, engines=SimpleNamespace(restarts=0), dir=tmp_path)
-    return Runtime(svc)  # type: ignore[arg-type]
+    return Steps(svc)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("rows, starved", [

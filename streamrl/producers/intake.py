@@ -2,7 +2,7 @@
 how much admission capacity the external producers hold.
 
 Pure functions and one small state machine (`LeaseBook`); no HTTP, clock, Ray or Lance: time is
-an argument. The HTTP service is streamrl/producers/service.py; the SDK streamrl/producers/sdk.py.
+an argument. The HTTP service is streamrl/producers/api_app.py; the SDK streamrl/producers/sdk.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PRODUCER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 RESERVED_PREFIX = "rollout-"  # the run's own rollout workers
 
 
-# Wire bodies of the producer API (streamrl/producers/service.py).
+# Wire bodies of the producer API (streamrl/producers/api_app.py).
 class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True):
     producer_id: str
     groups: Annotated[int, msgspec.Meta(ge=1)] = 1
@@ -111,12 +111,12 @@ def _bad_token(tokens: np.ndarray, vocab_size: int) -> str | None:
     return f"has token id {int(tokens[i])} at position {i}; ids must be in [0, vocab_size={vocab_size})"
 
 
-def room(version: int, eta: int, groups_per_step: int, shares: int, share_index: int, started: int,
+def room(version: int, max_staleness: int, groups_per_step: int, shares: int, share_index: int, started: int,
          outstanding: int) -> int:
     """Groups the external producers may still start: their share of the admission capacity at
     learner `version` (streamrl.core.staleness), less the groups they started and the leased slots
     not used yet."""
-    total = staleness.admission_capacity(version, eta, groups_per_step)
+    total = staleness.admission_capacity(version, max_staleness, groups_per_step)
     return max(0, staleness.capacity_share(total, share_index, shares) - started - outstanding)
 
 

@@ -53,6 +53,7 @@ from typing import Any
 import aiohttp
 
 from streamrl.core.types import SampleGroup, to_msgpack
+from streamrl.pools import open_pool
 from streamrl.producers import intake
 from streamrl.producers.intake import Lease
 
@@ -197,12 +198,10 @@ class DirectProducer:
 
     def __init__(self, pool_uri: str | Path, producer_id: str, n_samples: int | None = None,
                  vocab_size: int | None = None, max_tokens: int | None = None) -> None:
-        from streamrl.pools import LancePool
-
         if (problem := intake.producer_id_problem(producer_id)) is not None:
             raise ValueError(problem)
         self.producer_id, self.n_samples, self.vocab_size, self.max_tokens = producer_id, n_samples, vocab_size, max_tokens
-        self.pool = LancePool(pool_uri, compact_every=0)
+        self.pool = open_pool(pool_uri, create=True, compact_every=0)
         self._known = {g: st for g, (st, _) in self.pool.producer_groups(producer_id).items()}
 
     def append(self, groups: Sequence[SampleGroup], version: int | None = None) -> dict[str, list[str]]:

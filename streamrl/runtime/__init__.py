@@ -1,5 +1,5 @@
 """The running system: the run's services (Ray, router, engines, learner, rollout workers,
-broadcaster; runtime/services.py) and the per-step operations `streamrl/loop.py` is made of
+broadcaster; runtime/services.py) and the per-step operations `streamrl/runtime/loop.py` is made of
 (runtime/steps.py); `runtime/run.py` starts a run or resumes one."""
 
 

@@ -166,10 +166,9 @@ class LearnerDriver(WeightSource):
                                         mode_bound(recipe.run.mode, recipe.staleness.max_staleness))
         self.pool = None
         if pool and rank == 0:
-            from streamrl.pools import LancePool
+            from streamrl.pools import open_pool
 
-            self.pool = LancePool(recipe.pool_uri, storage_options=recipe.pool.storage_options,
-                                  commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=recipe.pool.compact_every)
+            self.pool = open_pool(recipe.pool_uri, create=True, config=recipe.pool, compact_every=recipe.pool.compact_every)
         # The weights engines get are a copy taken right after each step, so they can be pushed
         # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
         self._snapshot: dict[str, torch.Tensor] | None = None

@@ -2,7 +2,7 @@
 group, driven through one handle that looks like a single learner actor.
 
     group = LearnerGroup(recipe, model_dir, tokenizer_dir)
-    m = await group.train_step.remote(step, eta, 5.0)      # every rank trains; rank 0's metrics
+    m = await group.train_step.remote(step, max_staleness, 5.0)      # every rank trains; rank 0's metrics
     await group.push_weights.remote(bucketed)              # rank 0 alone: it holds the weights
 
 Collective methods (training, SFT, restore, checkpoint) run on every rank with the same

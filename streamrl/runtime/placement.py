@@ -8,7 +8,7 @@ import asyncio
 import math
 from typing import Any
 
-from streamrl.core.placement import GroupRequest, bundles, shortfall
+from streamrl.core.capacity import GroupRequest, bundles, shortfall
 from streamrl.recipe import Recipe, learner_layout
 from streamrl.runtime import RunFailed
 

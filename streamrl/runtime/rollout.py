@@ -30,6 +30,7 @@ from streamrl.connectors.sglang.client import ENGINE_FAILURES, SGLangClient, ret
 from streamrl.core import partial, staleness
 from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_group_id
 from streamrl.plugins.data import PromptRecord, PromptSource
+from streamrl.pools import open_pool
 from streamrl.plugins.filters import FilterHub
 from streamrl.plugins.rewards import RewardHub
 from streamrl.producers import episode as agent
@@ -56,8 +57,6 @@ class RolloutWorker:
                  version: int = 0, data_state: dict | None = None, api_key: str | None = None) -> None:
         from transformers import AutoTokenizer
 
-        from streamrl.pools import LancePool
-
         self.r, self.index, self.num_workers = recipe, index, num_workers
         self.producer_id = f"rollout-{index}"
         d = recipe.data
@@ -67,9 +66,7 @@ class RolloutWorker:
         self._admitted_state = self.source.state()  # where the source stood after the last admission
         self._known: set[str] = set()  # groups admitted before a resume: their prompts are not drawn again
         self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path)
-        self.pool = LancePool(recipe.pool_uri, storage_options=recipe.pool.storage_options,
-                              commit_max_rows=recipe.pool.commit_max_rows,
-                              commit_linger_ms=recipe.pool.commit_linger_ms, compact_every=0,
+        self.pool = open_pool(recipe.pool_uri, create=True, config=recipe.pool, compact_every=0,
                               write_ahead=recipe.pool.write_ahead)
         self.client = SGLangClient(router_url, connect_retries=2, keys=Keys(api=api_key))  # generation only
         self.log = RunLog(recipe.run_dir, echo=False)

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamrl import loop
-from streamrl.pools import RECORDED_RECIPE
+from streamrl.runtime import loop
+from streamrl.pools import RECORDED_RECIPE, NoPool, PoolError, open_pool
 from streamrl.recipe import Recipe
 from streamrl.runtime import RunFailed, RunLost
 from streamrl.runtime.services import Services
-from streamrl.runtime.steps import Runtime
+from streamrl.runtime.steps import Steps
 
 
 def _fmt(v: Any) -> str:
@@ -48,7 +48,7 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
     try:
         t_setup = time.perf_counter()
         await svc.start()
-        rt = Runtime(svc)
+        rt = Steps(svc)
         summary["setup_s"] = time.perf_counter() - t_setup
         summary["start_step"] = rt.start_step
         before = await rt.evaluate(rt.start_step)
@@ -192,10 +192,9 @@ def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True, ove
 def _refuse_a_used_pool(r: Recipe) -> None:
     """A new run never writes into another run's pool: `pool.uri` (an object store, or a path
     outside the run directory) must name no pool or an empty one; --overwrite never deletes it."""
-    from streamrl.pools import LancePool, NoPool, PoolError
 
     try:
-        with LancePool(r.pool.uri, create=False, storage_options=r.pool.storage_options) as pool:  # type: ignore[arg-type]
+        with open_pool(r.pool.uri, config=r.pool) as pool:  # type: ignore[arg-type]
             rows = pool.count()
     except NoPool:
         return  # nothing there yet: this run creates it

@@ -20,7 +20,6 @@ import msgspec
 
 from streamrl.connectors.auth import Keys, write_private
 from streamrl.connectors.ports import LOOPBACK, NODE, bind_host
-from streamrl.core.staleness import mode_bound
 from streamrl.core.types import RunCheckpointed, RunResumed
 from streamrl.recipe import Recipe, learner_layout, learner_summary
 from streamrl.runtime import RunFailed, faultpoint
@@ -38,7 +37,7 @@ class Services:
         except LoggerUnavailable as e:
             raise RunFailed(str(e)) from None
         self.log = RunLog(self.dir, echo=progress, mirror=mirror)
-        self.eta = mode_bound(recipe.run.mode, recipe.staleness.max_staleness)
+        self.max_staleness = recipe.max_staleness
         self.router: Any = None
         self.engines: Any = None  # streamrl.connectors.sglang.launcher.EngineLauncher
         self.learner: Any = None  # the learner actor (streamrl/runtime/learner.py)
@@ -161,7 +160,7 @@ class Services:
             return worker_actor(placement.WORKER_CPUS).options(**placement.on(self.workers_pg, i)).remote(
                 recipe_json, self.router.url, i, n, version, state, self.keys.api)
 
-        self.crew = Crew(spawn, states, self.version, self.eta, self.log)
+        self.crew = Crew(spawn, states, self.version, self.max_staleness, self.log)
         await self.crew.start()
         if r.producer_api.enabled:
             await self._start_producer_service()
@@ -170,7 +169,7 @@ class Services:
         """`streamrl produce serve RUN_DIR` as a child process: it reads the published version from
         events.jsonl and hands producers the router's URL from endpoints.json."""
         from streamrl.core.staleness import capacity_shares
-        from streamrl.producers.serve import start_service_process
+        from streamrl.producers.api_process import start_service_process
 
         self.producer_proc, url = await asyncio.to_thread(
             start_service_process, self.dir, os.getcwd(), self.dir / "logs" / "producer.log",
@@ -196,7 +195,7 @@ class Services:
             # The checkpoint caught a step that trained while the last publish ran; the run stopped before logging it.
             self.log.metrics(kept | {"from_checkpoint": True, "wall_time_s": self.wall_offset})
         for step, ids in redo.items():
-            m = await self.learner.retrain.remote(step, ids, self.eta)
+            m = await self.learner.retrain.remote(step, ids, self.max_staleness)
             was = original.get(step)
             if was is None:  # the run stopped after the claim, before the step's metrics were written
                 self.log.metrics(m | {"redo": True, "wall_time_s": self.wall_offset})
@@ -240,7 +239,7 @@ class Services:
         if self.bg_eval is not None:
             await self.bg_eval.stop()
         if self.producer_proc is not None:
-            from streamrl.producers.serve import stop_service_process
+            from streamrl.producers.api_process import stop_service_process
 
             await asyncio.to_thread(stop_service_process, self.producer_proc)
 

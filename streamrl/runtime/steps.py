@@ -1,5 +1,5 @@
-"""The operations `streamrl/loop.py` is made of: generate, train a step, publish a version,
-evaluate, checkpoint. `Runtime` runs them on the services a run started
+"""The operations `streamrl/runtime/loop.py` is made of: generate, train a step, publish a version,
+evaluate, checkpoint. `Steps` runs them on the services a run started
 (`streamrl/runtime/services.py`) and keeps the per-step bookkeeping (versions, metrics, rates).
 """
 
@@ -20,10 +20,10 @@ from streamrl.runtime.services import Services
 POLL_S = 1.0  # the learner waits this long for a batch before the driver looks at the workers
 
 
-class Runtime:
+class Steps:
     def __init__(self, svc: Services) -> None:
         self.svc, self.r, self.log = svc, svc.r, svc.log
-        self.eta = svc.eta
+        self.max_staleness = svc.max_staleness
         ro = svc.r.rollout
         self.per_step = staleness.claimed_per_step(ro.groups_per_step, ro.over_sampling)  # groups a step claims
         self._stale_seen = 0  # the learner's stale drops the budget has grown by
@@ -66,7 +66,7 @@ class Runtime:
     async def train_step(self, step: int, streams: list[Any] | None = None) -> dict[str, Any]:
         """Claim a batch and train on it; the learner's version moves to step + 1."""
         learner = self.svc.learner
-        task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, POLL_S))
+        task = asyncio.ensure_future(learner.train_step.remote(step, self.max_staleness, POLL_S))
         waited = t0 = asked = time.perf_counter()
         while True:  # poll: a worker that stopped with an error ends the run, one whose actor died starts again
             m = await task
@@ -88,7 +88,7 @@ class Runtime:
                                 f"the rollout workers have stopped (out of prompts: "
                                 f"{all(x['exhausted'] for x in reports)}; raise data.epochs or lower run.steps)")
             asked = time.perf_counter()
-            task = asyncio.ensure_future(learner.train_step.remote(step, self.eta, POLL_S))
+            task = asyncio.ensure_future(learner.train_step.remote(step, self.max_staleness, POLL_S))
         self.version = m["policy_version"]
         if streams:
             await self._count_stale_drops(m.get("stale_dropped_total", 0))
@@ -129,7 +129,7 @@ class Runtime:
         above); when groups went missing otherwise (a group that raised stays admitted) and every
         worker has spent its budget with nothing in flight, no batch can form: the workers may
         admit one step's claim more, and again at a later poll if that is still not enough (so
-        the run ends with less than a step's surplus, where lifting the budget gave eta + 1)."""
+        the run ends with less than a step's surplus, where lifting the budget gave max_staleness + 1)."""
         reports = await self.svc.crew.reports()
         if reports and all(x.get("budget_spent") and not x.get("inflight") for x in reports):
             self.log.info(f"step {step}: the workers have started every group this run's budget allows but "

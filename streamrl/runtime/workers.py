@@ -35,9 +35,9 @@ Spawn = Callable[[int, int, "dict[str, Any] | None"], Any]  # (index, version, d
 
 
 class Crew:
-    def __init__(self, spawn: Spawn, states: list[dict[str, Any] | None], version: int, eta: int, log: RunLog,
+    def __init__(self, spawn: Spawn, states: list[dict[str, Any] | None], version: int, max_staleness: int, log: RunLog,
                  handover_s: float = HANDOVER_S) -> None:
-        self.spawn, self.eta, self.log, self.handover_s = spawn, eta, log, handover_s
+        self.spawn, self.max_staleness, self.log, self.handover_s = spawn, max_staleness, log, handover_s
         self.version = version
         self.actors = [spawn(i, version, s) for i, s in enumerate(states)]
         self.last: list[dict[str, Any] | None] = [None] * len(states)  # each worker's newest report
@@ -88,7 +88,7 @@ class Crew:
             self._states[i] = last.get("data_state") or self._states[i]
         self.last[i] = None
         a = self.actors[i] = self.spawn(i, self.version, self._states[i])
-        a.set_version.remote(self.version, self.eta)  # queued: it runs once the actor is placed
+        a.set_version.remote(self.version, self.max_staleness)  # queued: it runs once the actor is placed
         if i in self._split:
             a.set_split.remote(*self._split[i])
         self._placing[i] = a.ready.remote()
@@ -123,7 +123,7 @@ class Crew:
 
     async def set_version(self, version: int) -> None:
         self.version = version
-        await self.call("set_version", version, self.eta)
+        await self.call("set_version", version, self.max_staleness)
 
     async def add_budget(self, groups: int) -> None:
         await self.call("add_budget", groups)

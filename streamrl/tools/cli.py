@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.getcwd() not in sys.path:  # recipes name functions in the user's modules (`streamrl.recipes.envs.calculator:solve`)
         sys.path.insert(0, os.getcwd())
-    from streamrl.pools.base import PoolError
+    from streamrl.pools.errors import PoolError
     from streamrl.recipe import RecipeError
 
     try:
@@ -332,7 +332,7 @@ def _dispatch(args: argparse.Namespace) -> int:
               weight_version=args.weight_version, seed=args.seed, threads=args.threads, weights_root=args.weights_root)
         return 0
     if args.cmd == "produce":
-        from streamrl.producers.serve import ServiceError, serve
+        from streamrl.producers.api_process import ServiceError, serve
 
         try:
             serve(args.run_dir, host=args.host, port=args.port, quiet=args.quiet)
@@ -343,7 +343,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _pool_cmd(args: argparse.Namespace) -> int:
-    from streamrl.pools import inspect as pi
+    from streamrl.pools import queries as pi
     from streamrl.pools import open_pool
 
     pool = open_pool(args.run_dir)

@@ -110,7 +110,6 @@ def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = Tr
     """Rows {step, groups, loss, grad_norm, orig_loss, orig_grad_norm, ...} for steps first..last."""
     from tqdm import tqdm
 
-    from streamrl.core.staleness import mode_bound
 
     d = Path(run_dir)
     r = load_run(d)
@@ -125,7 +124,7 @@ def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = Tr
         drv.restore(str(d / "checkpoints"), version=v0)
     orig, rows = _original(d), []
     for step in tqdm(range(s0, last + 1), desc="replay", unit="step", disable=not progress):
-        m = drv.retrain(step, batches[step], mode_bound(r.run.mode, r.staleness.max_staleness))
+        m = drv.retrain(step, batches[step], r.max_staleness)
         if step >= first:
             o = orig.get(step, {})
             rows.append({"step": step, "groups": len(m["groups"]), "loss": m.get("loss"),
@@ -142,7 +141,7 @@ def select_groups(run_dir: str | Path, where: str) -> list[dict[str, Any]]:
     import duckdb
 
     from streamrl.pools import open_pool
-    from streamrl.pools.inspect import pool_query
+    from streamrl.pools.queries import pool_query
 
     pool = open_pool(str(run_dir))
     try:
@@ -158,7 +157,6 @@ def replay_where(run_dir: str | Path, where: str, progress: bool = True) -> list
     """Train on the selected groups, `groups_per_step` at a time; one row per batch."""
     from tqdm import tqdm
 
-    from streamrl.core.staleness import mode_bound
 
     d = Path(run_dir)
     r = load_run(d)
@@ -174,7 +172,7 @@ def replay_where(run_dir: str | Path, where: str, progress: bool = True) -> list
     k, rows = r.rollout.groups_per_step, []
     for i in tqdm(range(0, len(groups), k), desc="replay", unit="batch", disable=not progress):
         chunk = groups[i:i + k]
-        m = drv.retrain(s0 + i // k, [g["group_id"] for g in chunk], mode_bound(r.run.mode, r.staleness.max_staleness))
+        m = drv.retrain(s0 + i // k, [g["group_id"] for g in chunk], r.max_staleness)
         steps = sorted({g["consumed_step"] for g in chunk if g["consumed_step"] is not None})
         rows.append({"batch": i // k, "groups": len(chunk), "loss": m.get("loss"), "grad_norm": m.get("grad_norm"),
                      "reward_mean": m["reward_mean"], "start_version": v0, "orig_steps": steps,

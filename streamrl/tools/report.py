@@ -106,7 +106,7 @@ def _pool_stats(run_dir: Path, notes: list[str]) -> dict[str, Any] | None:
     if "://" not in uri and not (Path(uri) / "pool.lance").is_dir():
         notes.append("no experience pool (pool/): staleness from metrics.jsonl, no ledger or failed groups")
         return None
-    from streamrl.pools.inspect import pool_stats
+    from streamrl.pools.queries import pool_stats
 
     try:
         with open_pool(str(run_dir)) as pool:

@@ -19,15 +19,15 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from streamrl.runtime.steps import Runtime
+from streamrl.runtime.steps import Steps
 
 OnStep = Callable[[dict[str, Any]], None]
 
 
-async def stream(rt: Runtime, steps: int, on_step: OnStep) -> None:
-    streams = rt.start_streaming()  # workers admit groups while (V + eta + 1) * groups_per_step allows
+async def stream(rt: Steps, steps: int, on_step: OnStep) -> None:
+    streams = rt.start_streaming()  # workers admit groups while (V + max_staleness + 1) * groups_per_step allows
     publishing: Any = asyncio.sleep(0)  # nothing to publish before the first step
-    for step in range(rt.start_step, steps):  # start_step > 0: resumed (runtime.py restored the learner)
+    for step in range(rt.start_step, steps):  # start_step > 0: resumed (run.py restored the learner)
         training = rt.train_step(step, streams)  # oldest complete groups within the bound -> version step + 1
         m, _ = await asyncio.gather(training, publishing)  # the previous version reaches the engines meanwhile
         publishing = asyncio.ensure_future(rt.publish(step, m, interrupt=True))  # mid-generation; workers admit more
@@ -36,7 +36,7 @@ async def stream(rt: Runtime, steps: int, on_step: OnStep) -> None:
     await rt.stop_workers()
 
 
-async def lockstep(rt: Runtime, steps: int, on_step: OnStep) -> None:
+async def lockstep(rt: Steps, steps: int, on_step: OnStep) -> None:
     for step in range(rt.start_step, steps):
         await rt.generate(rt.per_step)  # engines busy, learner idle
         m = await rt.train_step(step)  # learner busy, engines idle
@@ -44,7 +44,7 @@ async def lockstep(rt: Runtime, steps: int, on_step: OnStep) -> None:
         on_step(m)
 
 
-async def one_step_off(rt: Runtime, steps: int, on_step: OnStep) -> None:
+async def one_step_off(rt: Steps, steps: int, on_step: OnStep) -> None:
     if rt.start_step >= steps:
         return
     gen: Any = asyncio.ensure_future(rt.generate(rt.per_step))

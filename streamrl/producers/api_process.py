@@ -1,6 +1,6 @@
 """Running the producer API: `streamrl produce serve RUN_DIR` (one service per run, held by a
 lock file; its URL in RUN_DIR/producer.json) and, with `producer_api.enabled`, the same command as
-a child process of the run driver. The service itself is streamrl/producers/service.py.
+a child process of the run driver. The service itself is streamrl/producers/api_app.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from streamrl.connectors.ports import listen_socket
-from streamrl.producers.service import INFO_FILE, LOCK_FILE, TOKEN_FILE, ProducerService, ServiceError
+from streamrl.producers.api_app import INFO_FILE, LOCK_FILE, TOKEN_FILE, ProducerService, ServiceError
 from streamrl.recipe import load_recipe
 
 

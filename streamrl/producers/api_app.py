@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from streamrl.core.types import from_json, from_msgpack
+from streamrl.pools import open_pool
 from streamrl.pools.reads import quote
 from streamrl.producers import intake
 from streamrl.recipe import Recipe
@@ -114,21 +115,19 @@ class VersionTail:
 
 class ProducerService:
     def __init__(self, run_dir: Path, recipe: Recipe, quiet: bool = False) -> None:
-        from streamrl.core.staleness import capacity_shares, claimed_per_step, mode_bound
-        from streamrl.pools import LancePool
+        from streamrl.core.staleness import capacity_shares, claimed_per_step
 
         self.dir, self.r, self.quiet, api = run_dir, recipe, quiet, recipe.producer_api
         self.token = read_token(run_dir).encode()
         self.vocab_size, self.max_tokens = model_limits(recipe)
-        self.eta, self.gps, self.n = mode_bound(recipe.run.mode, recipe.staleness.max_staleness), recipe.rollout.groups_per_step, recipe.rollout.n_samples
+        self.max_staleness, self.gps, self.n = recipe.max_staleness, recipe.rollout.groups_per_step, recipe.rollout.n_samples
         self.per_step = claimed_per_step(self.gps, recipe.rollout.over_sampling)  # what capacity grows by per version
         self.shares, self.share_index = capacity_shares(recipe.rollout.workers, True), recipe.rollout.workers
         self.max_body = int(api.max_body_mb * 2**20)
         self.tail = VersionTail(run_dir / "events.jsonl")
         self.tail.poll()
         self.leases = intake.LeaseBook(api.lease_s)
-        self.pool = LancePool(recipe.pool_uri, storage_options=recipe.pool.storage_options, compact_every=0,
-                              commit_max_rows=recipe.pool.commit_max_rows, commit_linger_ms=recipe.pool.commit_linger_ms,
+        self.pool = open_pool(recipe.pool_uri, create=True, config=recipe.pool, compact_every=0,
                               write_ahead=recipe.pool.write_ahead)
         # External groups: id -> (producer id, pool status or None when admitted but not stored).
         self.known: dict[str, tuple[str, str | None]] = {}
@@ -170,7 +169,7 @@ class ProducerService:
         self.known[gid] = (producer_id, status)
 
     def room(self, now: float) -> int:
-        return intake.room(self.version, self.eta, self.per_step, self.shares, self.share_index, self.started,
+        return intake.room(self.version, self.max_staleness, self.per_step, self.shares, self.share_index, self.started,
                            self.leases.outstanding(now))
 
     def status(self) -> dict[str, Any]:
@@ -180,7 +179,7 @@ class ProducerService:
             ends = json.loads(endpoints.read_text()) if endpoints.exists() else {}
         except (OSError, ValueError):
             ends = {}
-        return {"version": self.version, "max_staleness": self.eta, "groups_per_step": self.gps,
+        return {"version": self.version, "max_staleness": self.max_staleness, "groups_per_step": self.gps,
                 "n_samples": self.n, "room": self.room(now), "outstanding": self.leases.outstanding(now),
                 "started": self.started, "stored": self.stored, "router_url": ends.get("router_url"),
                 "router_api_key": ends.get("api_key"),  # generation only (the run's admin key stays with it)
@@ -271,10 +270,10 @@ class ProducerService:
     def _full_reason(self, now: float) -> str:
         from streamrl.core import staleness
 
-        total = staleness.admission_capacity(self.version, self.eta, self.per_step)
+        total = staleness.admission_capacity(self.version, self.max_staleness, self.per_step)
         share = staleness.capacity_share(total, self.share_index, self.shares)
         return (f"staleness bound: learner at version {self.version} allows {share} started external groups "
-                f"(share {self.share_index + 1} of {self.shares} of ({self.version}+{self.eta}+1)*{self.per_step}"
+                f"(share {self.share_index + 1} of {self.shares} of ({self.version}+{self.max_staleness}+1)*{self.per_step}"
                 f"={total}); {self.started} started + {self.leases.outstanding(now)} leased; retry when the "
                 "learner publishes the next version")
 
