@@ -274,12 +274,13 @@ def _runtime(tmp_path: Path, crew: Any, learner: Any = None) -> Any:
     from types import SimpleNamespace
 
     from streamrl.recipe import load_recipe
+    from streamrl.runtime.resume import Resumed
     from streamrl.runtime.runlog import RunLog
     from streamrl.runtime.steps import Steps
 
     r = load_recipe(Path(__file__).parents[1] / "recipes" / "quickstart.yaml")
-    svc = SimpleNamespace(r=r, log=RunLog(tmp_path, echo=False), max_staleness=2, start_step=0, wall_offset=0.0, version=0,
-                          crew=crew, learner=learner, engines=SimpleNamespace(restarts=0), dir=tmp_path)
+    svc = SimpleNamespace(r=r, log=RunLog(tmp_path, echo=False), resumed=Resumed(), crew=crew, learner=learner,
+                          broadcaster=None, engines=SimpleNamespace(restarts=0), dir=tmp_path)
     return Steps(svc)  # type: ignore[arg-type]
 
 
