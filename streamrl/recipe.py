@@ -67,16 +67,20 @@ class _Cfg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class FnRef(_Cfg):
     """A user function and the keyword arguments it is called with."""
 
-    fn: FnPath
-    args: dict[str, Any] = {}
+    fn: FnPath  # `pkg.module:function`, imported and checked when the recipe loads
+    args: dict[str, Any] = {}  # keyword arguments it is called with
 
 
 class RunCfg(_Cfg):
-    name: str = "run"
-    dir: str | None = None  # default runs/<name>
-    seed: int = 0
+    """The run: its mode, length, directory, checkpoints and evaluations."""
+
+    name: str = "run"  # names the run directory: runs/<name>-<date>-<time>, with runs/<name> linking to the newest
+    dir: str | None = None  # the run directory (as --run-dir); default a fresh one as above
+    seed: int = 0  # seeds the learner, the SFT warm-start and the engines' sampling
+    # stream: train under staleness.max_staleness while generation goes on; lockstep: generate a
+    # batch, train, push (on-policy); one_step_off: generate the next batch while training this one
     mode: Literal["stream", "lockstep", "one_step_off"] = "stream"
-    steps: PosInt = 20
+    steps: PosInt = 20  # learner steps: claimed batches, one policy version each
     checkpoint_every: NonNegInt = 10  # learner steps between checkpoints; 0 = only at the end
     eval_every: NonNegInt = 0  # learner steps between evaluations (besides before and after); 0 = none
     # background: a dedicated engine evaluates the exact version while training goes on;
@@ -88,6 +92,8 @@ class RunCfg(_Cfg):
 
 
 class RayCfg(_Cfg):
+    """The Ray cluster the run's actors live on."""
+
     address: str | None = None  # join this cluster (e.g. "auto"); default: start a local one
     num_cpus: PosInt | None = None  # logical CPUs of the local cluster; default: enough for every actor
 
@@ -123,18 +129,22 @@ class ModelInit(_Cfg):
 
 
 class ModelCfg(_Cfg):
-    path: str
+    """The policy: a Hugging Face model directory the learner and the engines load."""
+
+    path: str  # the model directory (config.json, weights, tokenizer)
     tokenizer: str | None = None  # default: the model directory
     init: ModelInit | None = None  # build a tiny model at `path` first if it is missing
 
 
 class DataCfg(_Cfg):
-    path: str
-    prompt_key: str = "prompt"
-    label_key: str = "label"
-    shuffle: bool = True
+    """Prompts to train on (JSONL or Parquet rows) and the held-out prompts to evaluate on."""
+
+    path: str  # JSONL or Parquet file of prompt rows
+    prompt_key: str = "prompt"  # the row's prompt
+    label_key: str = "label"  # the row's label, passed to the reward function
+    shuffle: bool = True  # shuffle the prompts each epoch (seeded by data.seed)
     seed: int = 0
-    epochs: PosInt = 1
+    epochs: PosInt = 1  # passes over the prompts
     on_error: Literal["fail", "skip"] = "fail"  # malformed rows: stop before any work, or skip with a warning
     eval_path: str | None = None  # held-out prompts (same keys), evaluated before and after training
     eval_samples: PosInt = 4  # sampled responses per eval prompt (accuracy = mean over them)
@@ -145,33 +155,42 @@ class DataCfg(_Cfg):
 class SftCfg(_Cfg):
     """Supervised warm-start before RL (rows: prompt_key -> response_key)."""
 
-    path: str
-    steps: PosInt = 100
+    path: str  # JSONL or Parquet rows of prompt and response
+    steps: PosInt = 100  # optimizer steps
     lr: PosFloat = 1e-3
     # cosine: the learning rate falls from lr to lr/10 over the steps, so the warm-started policy
     # does not depend on where the last few high-lr steps happened to leave it
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    batch_size: PosInt = 64
+    batch_size: PosInt = 64  # rows per step
     prompt_key: str = "prompt"
     response_key: str = "response"
 
 
 class RolloutCfg(_Cfg):
+    """Generation: group size, batch size, sampling, and the rollout workers."""
+
     n_samples: PosInt = 8  # responses per prompt (group size)
     groups_per_step: PosInt = 4  # groups the learner consumes per step
-    max_new_tokens: PosInt = 32
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    max_new_tokens: PosInt = 32  # the longest response, in tokens
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0  # sampling, as SGLang's sampling_params
     top_p: Prob = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 = off
     max_concurrency: PosInt = 64  # groups generating at once per worker
-    over_sampling: Annotated[float, msgspec.Meta(ge=1)] = 1.0  # claim this many x groups_per_step, train on the
-    # groups_per_step with the largest reward std (slime's over-sampling filter); the rest are dropped
+    # claim this many x groups_per_step, train on the groups_per_step with the largest reward std
+    # (slime's over-sampling filter); the rest are dropped
+    over_sampling: Annotated[float, msgspec.Meta(ge=1)] = 1.0
     workers: NonNegInt = 1  # rollout worker actors; 0 = only external producers (producer_api) feed the run
 
 
 class StalenessCfg(_Cfg):
-    max_staleness: NonNegInt = 1  # the bound (AReaL eta); 0 = on-policy
+    """How many versions behind trained data may be, and what a new version does to requests in flight."""
+
+    max_staleness: NonNegInt = 1  # the bound (AReaL's eta): versions a group may lag the learner when claimed (stream mode); 0 = on-policy
+    # groups over the bound when claimed: drop them, mask their stale tokens, or keep them
+    # (the off-policy correction reweights what is kept)
     policy: ConsumptionPolicy = "drop"
+    # requests in flight when a version is published: abort_resume (abort, keep the tokens, resume on
+    # the new weights), in_place (pause, update, continue), restart (generate again), finish_old (below)
     partial_rollout: PartialRolloutPolicy = "abort_resume"
     # finish_old: after a new version is ready, engines keep generating on the old weights for this
     # long before the abort; requests that finish meanwhile are single-version (no resume, no re-prefill)
@@ -189,6 +208,8 @@ class ProducerApiCfg(_Cfg):
 
 
 class NetworkCfg(_Cfg):
+    """The addresses the run's servers listen on."""
+
     # loopback: every server on 127.0.0.1 (one machine). node: the engines, the router, the producer
     # API and the weight group's store bind their own node's cluster address (Ray's node IP), so
     # other nodes reach them; never 0.0.0.0, and the run's API keys are still required
@@ -196,16 +217,18 @@ class NetworkCfg(_Cfg):
 
 
 class PoolCfg(_Cfg):
+    """The experience pool: a LanceDB database every producer appends to and the learner claims from."""
+
     uri: str | None = None  # default <run dir>/pool; any LanceDB URI, e.g. s3://bucket/prefix/pool
     # object-store settings for uri (Lance's names: aws_endpoint, aws_region, allow_http, ...);
     # credentials come from the environment (AWS_ACCESS_KEY_ID, ...), never from the recipe
     storage_options: dict[str, str] = {}
-    commit_max_rows: PosInt = 8192
-    commit_linger_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    commit_max_rows: PosInt = 8192  # group commit: at most this many rows in one Lance commit
+    commit_linger_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0  # group commit: wait this long for company
     compact_every: NonNegInt = 64  # compact once this many small fragments accumulate; 0 = never
     # producers' appends return once in a per-process write-ahead log, committed to Lance behind
     # them (local pools only): 2-4x the appends/s of one producer, 2.5x for 8 producer processes;
-    # other processes see rows up to ~50 ms later (README "The experience pool")
+    # other processes see rows up to ~50 ms later (docs/pool.md)
     write_ahead: bool = False
 
 
@@ -262,10 +285,14 @@ class LearnerCfg(_Cfg):
 
 
 class EnginesCfg(_Cfg):
-    num: PosInt = 1
+    """The rollout engines, behind sglang-router."""
+
+    num: PosInt = 1  # engines
+    # embedded: the CPU engine over transformers that speaks SGLang's API; sglang: SGLang (GPU);
+    # auto: SGLang where the cluster has GPUs
     backend: Literal["embedded", "sglang", "auto"] = "embedded"
     host: str = "127.0.0.1"  # the address the engines bind; another exposes them beyond this machine
-    router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
+    router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"  # sglang-router's
     weight_sync: Literal["distributed", "disk"] = "distributed"  # how new versions reach the engines
     tp: PosInt = 1  # tensor parallel size per engine: each TP rank joins the weight group (embedded: 1 process)
     max_running: PosInt = 64  # embedded engine: requests decoded together
@@ -276,13 +303,17 @@ class EnginesCfg(_Cfg):
 
 
 class Recipe(_Cfg):
+    """A recipe: sections, each with typed defaults; only model and data are required."""
+
     model: ModelCfg
     data: DataCfg
     run: RunCfg = msgspec.field(default_factory=RunCfg)
     rollout: RolloutCfg = msgspec.field(default_factory=RolloutCfg)
     staleness: StalenessCfg = msgspec.field(default_factory=StalenessCfg)
+    # per sample fn(response, label, **args), or per group fn(responses, label, **args); it may also ask
+    # for prompt and record by name; sync or async; returns a number or {"reward": r, ...components}
     reward: FnRef = msgspec.field(default_factory=lambda: FnRef(fn="streamrl.plugins.rewards:exact_match"))
-    filters: list[FnRef] = []
+    filters: list[FnRef] = []  # fn(group, **args) -> bool: False drops the group (kept in the pool, reason = its name)
     # agent environment: async fn(task, llm) running the turns of one sample (streamrl/producers/episode.py);
     # without it each sample is one generation from the prompt
     env: FnRef | None = None

@@ -173,7 +173,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     ps = pool.add_subparsers(dest="pool_cmd", required=True, metavar="ACTION")
     st = ps.add_parser("stats", help="rows/groups by status, versions, staleness, rewards, ledger",
                        description="Summarise the pool of RUN_DIR (or a LanceDB URI). --json prints the stable "
-                                   "document described in the README; `ledger.lost` and `ledger.duplicated` must be 0.")
+                                   "document described in docs/pool.md; `ledger.lost` and `ledger.duplicated` must be 0.")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     q = ps.add_parser("query", help="DuckDB SQL over the pool (tables `pool`, `admissions`, `claims`)",
