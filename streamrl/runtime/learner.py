@@ -4,11 +4,11 @@ Runs as one rank of the learner group in a run (streamrl/runtime/learner_group.p
 Ray actors). Rank 0 owns the pool's claim side and the published weights; every rank trains its
 share. `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
 bound and consumption policy, turns them into learner rows (advantages over the samples that were
-scored, failed samples left out: streamrl/core/algorithms/step.py, `learner.advantage`), trains on them (`learner.mini_batches` x
-`learner.epochs` optimizer steps, the off-policy correction applied) and returns the step's
-metrics, including which groups it used. The version it publishes is `learner.version`: one
-per claimed batch. Rank 0 hands the batch's learner rows to the other ranks (msgpack over the
-group's gloo control group; no pickle), so they never read the pool.
+scored, failed samples left out: streamrl/core/algorithms/step.py, `learner.advantage`), trains
+on them (`learner.mini_batches` x `learner.epochs` optimizer steps, the off-policy correction
+applied) and returns the step's metrics, including which groups it used. The version it
+publishes is `learner.version`: one per claimed batch. Rank 0 hands the batch's learner rows to
+the other ranks (msgpack over the group's gloo control group; no pickle), so they never read the pool.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class WeightSource:
 
     def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
         state = self.hf_state_dict()
-        return list(state), [weight_sync.dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
+        dtypes = [weight_sync.dtype_name(t.dtype) for t in state.values()]
+        return list(state), dtypes, [list(t.shape) for t in state.values()]
 
     def open_weight_store(self, host: str, world_size: int) -> tuple[str, int]:
         """First half of forming the weight group: its store, served here on `host` (ports.NODE:

@@ -130,11 +130,10 @@ def correct(cfg: RLConfig, prox: torch.Tensor, behav: torch.Tensor | None, mask:
         what = cfg.off_policy if isinstance(cfg.off_policy, str) else _name(fn)
         raise ValueError(f"off-policy correction {what!r} needs the rollout (behaviour) log-probs")
     out = fn(prox, behav, mask, **cfg.correction)
-    try:
-        c = out if isinstance(out, Correction) else Correction(*out)
-    except TypeError:
+    if not isinstance(out, tuple | list) or len(out) != 4:
         raise ValueError(f"off-policy correction {_name(fn)} returned {type(out).__name__}, not "
-                         "(weight, mask, capped, dropped)") from None
+                         "(weight, mask, capped, dropped)")
+    c = Correction(*out)
     for part, t in zip(Correction._fields, c):
         if (t is not None or part != "weight") and (not isinstance(t, torch.Tensor) or t.shape != mask.shape):
             raise ValueError(f"off-policy correction {_name(fn)}: its {part} must be a tensor of the mask's shape "
