@@ -12,6 +12,7 @@ Long file: the whole recipe schema is one typed tree a reader should see in one 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import socket
@@ -32,7 +33,8 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 Prob = Annotated[float, msgspec.Meta(gt=0, le=1)]
-FnPath = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+FN_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+FnPath = Annotated[str, msgspec.Meta(pattern=FN_PATH)]
 
 
 class _Loader(yaml.SafeLoader):
@@ -256,7 +258,10 @@ class LearnerCfg(_Cfg):
     # grouped by length either way, so a long-tailed batch does not pad every row to its longest.
     max_tokens_per_micro_batch: PosInt | None = None
     grad_clip: PosFloat = 1.0
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    # The RL step (streamrl/core/algorithms/step.py has the formulas and the plug-in contracts):
+    # each of advantage, loss and off_policy names a built-in or a function `pkg.mod:fn`.
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | fn(rewards [G, n]) -> [G, n]
+    loss: str = "ppo"  # ppo (PPO clip, eps_clip_*, dual_clip) | fn(logp, inputs, cfg) -> loss [, stats]
     loss_agg: Literal["token", "seq", "group"] = "token"
     eps_clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
     eps_clip_high: Annotated[float, msgspec.Meta(ge=0)] = 0.28
@@ -271,8 +276,9 @@ class LearnerCfg(_Cfg):
     epochs: PosInt = 1
     # Off-policy correction (formulas: streamrl/core/algorithms/offpolicy.py; README "Which off-policy
     # correction?"). auto = tis when the mode trains stale data (stream with max_staleness > 0,
-    # one_step_off), none when it is on-policy (lockstep, max_staleness 0).
-    off_policy: Literal["auto", "none", "tis", "tis_seq", "mis", "decoupled", "icepop"] = "auto"
+    # one_step_off), none when it is on-policy (lockstep, max_staleness 0); or
+    # fn(prox, behav, mask) -> (weight, mask, capped, dropped).
+    off_policy: str = "auto"
     # Each key below belongs to the corrections named; unset (null) = the default in brackets.
     tis_cap: Annotated[float, msgspec.Meta(ge=1)] | None = None  # tis, tis_seq: weights truncated here [2.0]
     seq_ratio: Literal["geometric", "product"] | None = None  # tis_seq, mis (sequence): a sequence's weight [geometric]
@@ -482,14 +488,19 @@ def resolve_fn(path: str) -> Any:
     return fn
 
 
+# Recipe keys that take a built-in name or a function path (streamrl/core/algorithms/step.py).
+PLUGGABLE = {f"learner.{key}": key for key in corrections.CHOICES}
+
+
 def fn_paths(obj: Any, path: str = "") -> list[tuple[str, str]]:
-    """(key path, dotted function path) for every function reference in a decoded recipe."""
+    """(key path, dotted function path) for every function reference in a decoded recipe: each
+    `fn:` and each PLUGGABLE key that names a function."""
     found: list[tuple[str, str]] = []
     if isinstance(obj, msgspec.Struct):
         for name in obj.__struct_fields__:
             val = getattr(obj, name)
             sub = f"{path}.{name}" if path else name
-            if name == "fn" and isinstance(val, str):
+            if (name == "fn" and isinstance(val, str)) or (sub in PLUGGABLE and corrections.is_fn_path(val)):
                 found.append((sub, val))
             else:
                 found.extend(fn_paths(val, sub))
@@ -527,14 +538,46 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
         recipe = msgspec.convert(data, Recipe)
     except msgspec.ValidationError as e:
         raise RecipeError(_explain(e, where, lines, origin)) from None
+    for key, problem in _choice_problems(recipe):
+        raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {problem}")
     for key, fn in fn_paths(recipe):
         try:
-            resolve_fn(fn)
+            _check_call(key, fn, resolve_fn(fn))
         except ValueError as e:
             raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {e}") from None
     for key, problem in _conflicts(recipe):
         raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {problem}")
     return recipe
+
+
+def _choice_problems(r: Recipe) -> list[tuple[str, str]]:
+    """PLUGGABLE keys holding neither a built-in name nor a well-formed function path."""
+    out = []
+    for key, name in PLUGGABLE.items():
+        val = getattr(r.learner, name)
+        if val in corrections.CHOICES[name]:
+            continue
+        if not corrections.is_fn_path(val):
+            out.append((key, f"unknown value {val!r}; choose one of {', '.join(map(repr, corrections.CHOICES[name]))}, "
+                             "or name a function `pkg.mod:fn`"))
+        elif not re.match(FN_PATH, val):
+            out.append((key, "must be a built-in name or a dotted function path like `mypkg.rl:my_fn`"))
+    return out
+
+
+def _check_call(key: str, path: str, fn: Any) -> None:
+    """A function named by a PLUGGABLE key accepts the arguments the RL step passes it (ValueError if not)."""
+    if key not in PLUGGABLE:
+        return
+    args = corrections.CALLED_WITH[PLUGGABLE[key]]
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the first call will tell
+        return
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        raise ValueError(f"{path} cannot be called as fn({', '.join(args)}) ({e})") from None
 
 
 SECRET_WORDS = ("secret", "token", "password", "access_key_id", "account_key", "service_account_key", "sas_key")
@@ -575,8 +618,8 @@ def _learner_conflicts(r: Recipe) -> list[tuple[str, str]]:
     chosen = corrections.resolve(lc.off_policy, r.max_staleness)
     why = "" if lc.off_policy != "auto" else f" (auto, for run.mode {r.run.mode}" + (
         f" with staleness.max_staleness {r.staleness.max_staleness})" if r.run.mode == "stream" else ")")
-    for key in corrections.DEFAULTS:
-        if getattr(lc, key) is None or key in corrections.USES[chosen]:
+    for key in corrections.DEFAULTS:  # a user's correction (a function path) reads none of them
+        if getattr(lc, key) is None or key in corrections.USES.get(chosen, ()):
             continue
         users = " or ".join(k for k, keys in corrections.USES.items() if key in keys)
         out.append((f"learner.{key}", f"is read only by learner.off_policy {users}, but off_policy is {chosen!r}{why}; "
@@ -648,7 +691,7 @@ def _parallel_conflicts(r: Recipe) -> list[tuple[str, str]]:
 
 def learner_summary(r: Recipe) -> str:
     """One line: the off-policy correction the learner will apply (`auto` resolved, unset keys
-    at their defaults) and its optimizer steps per claimed batch."""
+    at their defaults), its optimizer steps per claimed batch, the advantage and the loss."""
     lc = r.learner
     chosen = corrections.resolve(lc.off_policy, r.max_staleness)
     keys = ", ".join(f"{k} {v}" for k, v in corrections.params(chosen, lc).items())
@@ -657,7 +700,8 @@ def learner_summary(r: Recipe) -> str:
     tp, pp, dp = learner_layout(r)
     layout = f"{tp * pp * dp} ranks (tp {tp} x pp {pp} x dp {dp}); " if tp * pp * dp > 1 else ""
     return (f"{layout}off-policy correction {chosen}{auto}{': ' + keys if keys else ''}; {steps} optimizer step"
-            f"{'s' if steps > 1 else ''} per claimed batch ({lc.mini_batches} mini-batch(es) x {lc.epochs} epoch(s))")
+            f"{'s' if steps > 1 else ''} per claimed batch ({lc.mini_batches} mini-batch(es) x {lc.epochs} epoch(s)); "
+            f"advantage {lc.advantage}, loss {lc.loss}")
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

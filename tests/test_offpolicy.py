@@ -147,9 +147,9 @@ def test_auto_resolves_by_the_staleness_bound_and_params_fill_defaults():
     class Learner:  # a recipe's learner section with the correction's keys unset
         off_policy, tis_cap, loss_agg, mini_batches, epochs = "auto", None, "seq", 2, 3
 
-    got = RLConfig.from_recipe(Learner, 0.7, staleness_bound=1)
+    got = RLConfig.from_recipe(Learner, 0.7, max_staleness=1)
     assert (got.off_policy, got.tis_cap, got.loss_agg, got.mini_batches, got.epochs) == ("tis", 2.0, "seq", 2, 3)
-    assert RLConfig.from_recipe(Learner, 0.7, staleness_bound=0).off_policy == "none"
+    assert RLConfig.from_recipe(Learner, 0.7, max_staleness=0).off_policy == "none"
 
 
 # ------------------------------------------------------------------ micro-batches = full batch

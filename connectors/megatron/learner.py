@@ -5,8 +5,9 @@ Optimizer (connectors/megatron/optimizer.py): megatron's DistributedDataParallel
 (each keeps 1/dp of Adam's moments). Gradient clipping by global norm; LR schedule linear
 warm-up then constant (counted in optimizer steps). A claimed batch is trained in
 `mini_batches` x `epochs` optimizer steps (1 x 1 by default) after its proximal log-probs and
-off-policy correction are taken once; the objective of a micro-batch is
-streamrl.core.algorithms.objective.micro_batch_loss. Micro-batches hold rows of similar length
+off-policy correction are taken once. What is computed from the tensors (the correction, token
+advantages, the objective of a micro-batch) is streamrl/core/algorithms/step.py; this module runs
+the model and moves the tensors. Micro-batches hold rows of similar length
 (mcore_batch.plan_micro_batches: at most `micro_batch_size` rows and, when set,
 `max_tokens_per_micro_batch` padded tokens; whole groups under group aggregation) and each
 micro-batch's loss is weighted by its share of the aggregation units (tokens, sequences or
@@ -37,10 +38,12 @@ from typing import Any
 import torch
 
 from streamrl.connectors.megatron.batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
+from streamrl.connectors.megatron.model import hf_state_dict, load_model
+from streamrl.connectors.megatron.optimizer import Optimizer
 from streamrl.connectors.megatron.parallel import Parallel, init_distributed
-from streamrl.core import algorithms as alg
-from streamrl.core.algorithms import offpolicy
-from streamrl.core.algorithms.objective import LossInputs, RLConfig, micro_batch_loss
+from streamrl.core.algorithms import aggregation_units, offpolicy
+from streamrl.core.algorithms.objective import LossInputs, RLConfig
+from streamrl.core.algorithms.step import loss_inputs, micro_batch_loss
 
 __all__ = ["MegatronLearner", "RLConfig", "Sample", "init_distributed", "init_single_process"]
 log = logging.getLogger(__name__)
@@ -68,9 +71,6 @@ class MegatronLearner:
                  warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False,
                  distributed_optimizer: bool = True, adam_eps: float = 1e-8,
                  max_tokens_per_micro_batch: int | None = None) -> None:
-        from streamrl.connectors.megatron.model import load_model
-        from streamrl.connectors.megatron.optimizer import Optimizer
-
         self.model, self.bridge = load_model(model_dir)  # with pp > 1: this stage's chunk
         self.ref = load_model(model_dir)[0].eval() if with_reference else None
         if self.ref is not None:
@@ -192,8 +192,9 @@ class MegatronLearner:
     def _prepare(self, mbs: Sequence[Sequence[Sample]], cfg: RLConfig
                  ) -> tuple[list[tuple[TokenBatch, LossInputs]], list[dict[str, float]]]:
         """Micro-batches' tensors, taken before the batch's first optimizer step: proximal (and,
-        on the last stage, reference) log-probs, advantages, and the off-policy correction's loss
-        mask and weights; with the correction's counts for the step's metrics."""
+        on the last stage, reference) log-probs, and from them (step.loss_inputs) the advantages
+        and the off-policy correction's loss mask and weights; with the correction's counts for
+        the step's metrics."""
         batches = [TokenBatch([(s.prompt, s.response) for s in mb]).to(self.device) for mb in mbs]
         proxs = self._logprobs(self.model, batches, cfg.temperature, every_stage=True)
         refs: list[torch.Tensor | None] = [None] * len(batches)
@@ -202,19 +203,15 @@ class MegatronLearner:
             refs = self._logprobs(self.ref, batches, cfg.temperature, every_stage=False)
         out, counts = [], []
         for mb, b, prox, ref in zip(mbs, batches, proxs, refs):
-            prox = prox * b.resp_mask  # type: ignore[operator]
-            ref = ref * b.resp_mask if ref is not None else None
-            mask = b.resp_mask * b.scatter([s.loss_mask if s.loss_mask is not None else [1] * len(s.response)
-                                            for s in mb])
+            loss_mask = b.scatter([s.loss_mask if s.loss_mask is not None else [1] * len(s.response) for s in mb])
             behav = None
             if all(s.rollout_logprobs is not None for s in mb):
                 behav = b.scatter([s.rollout_logprobs for s in mb])  # type: ignore[misc]
-            c = offpolicy.correct(cfg.off_policy, prox, behav, mask, **cfg.correction)
-            adv = alg.tokens_from_samples(torch.tensor([s.advantage for s in mb], device=self.device), b.resp_mask)
-            groups = torch.tensor([s.group for s in mb], device=self.device)
-            out.append((b, LossInputs(mask=c.mask, adv=adv, prox=prox, groups=groups, share=0.0, weight=c.weight,
-                                      ref=ref)))
-            counts.append(offpolicy.sums(prox, behav, mask, c))
+            x, count = loss_inputs(cfg, prox, b.resp_mask, loss_mask, behav,  # type: ignore[arg-type]
+                                   torch.tensor([s.advantage for s in mb], device=self.device),
+                                   torch.tensor([s.group for s in mb], device=self.device), ref)
+            out.append((b, x))
+            counts.append(count)
         return out, counts
 
     _SUMS = ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "clip_frac")
@@ -223,7 +220,7 @@ class MegatronLearner:
         """One optimizer step on a mini-batch (this rank's micro-batches of it). Each micro-batch's
         loss is weighted by its share of the aggregation units of the whole mini-batch over all
         ranks, so the step is the gradient of the full mini-batch's aggregate."""
-        units = [alg.aggregation_units(x.mask, cfg.loss_agg, x.groups) for _, x in mini]  # type: ignore[arg-type]
+        units = [aggregation_units(x.mask, cfg.loss_agg, x.groups) for _, x in mini]  # type: ignore[arg-type]
         total = self.par.dp_sum(sum(units))
         tokens = self.par.dp_sum(sum(float(x.mask.sum()) for _, x in mini))
         st = dict.fromkeys((*self._SUMS, "ratio_max"), 0.0)
@@ -289,8 +286,6 @@ class MegatronLearner:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model under HF names, on every rank (collective over the model-parallel
         group: TP shards and PP stages are gathered); tensors on the parameters' device."""
-        from streamrl.connectors.megatron.model import hf_state_dict
-
         return hf_state_dict(self.model, self.bridge)
 
     def state_bytes(self) -> int:

@@ -3,12 +3,12 @@
 Runs as one rank of the learner group in a run (streamrl/runtime/learner_group.py: tp * pp * dp
 Ray actors). Rank 0 owns the pool's claim side and the published weights; every rank trains its
 share. `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
-bound and consumption policy, turns them into learner rows (group advantages over the samples
-that were scored; failed samples are left out), trains on them (`learner.mini_batches` x
-`learner.epochs` optimizer steps, the off-policy correction applied) and returns the step's
-metrics, including which groups it used. The version it publishes is `learner.version`: one
-per claimed batch. Rank 0 hands the batch's learner rows to the other ranks (msgpack over the
-group's gloo control group; no pickle), so they never read the pool.
+bound and consumption policy, turns them into learner rows (advantages over the samples that were
+scored, failed samples left out: streamrl/core/algorithms/step.py, `learner.advantage`), trains
+on them (`learner.mini_batches` x `learner.epochs` optimizer steps, the off-policy correction
+applied) and returns the step's metrics, including which groups it used. The version it
+publishes is `learner.version`: one per claimed batch. Rank 0 hands the batch's learner rows to
+the other ranks (msgpack over the group's gloo control group; no pickle), so they never read the pool.
 """
 
 from __future__ import annotations
@@ -17,45 +17,43 @@ import math
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from streamrl.connectors.megatron import checkpoint as megatron_checkpoint
+from streamrl.connectors.megatron.learner import MegatronLearner, Sample, init_distributed
+from streamrl.connectors.ports import bind_host
+from streamrl.connectors.sglang import weight_sync
 from streamrl.core import algorithms as alg
-from streamrl.core.staleness import claimed_per_step, mode_bound
+from streamrl.core.algorithms.objective import Choice
+from streamrl.core.staleness import claimed_per_step, decide, mask_stale_tokens
 from streamrl.core.types import Batch, SampleGroup
-from streamrl.recipe import Recipe
+from streamrl.plugins.filters import top_by_reward_std
+from streamrl.pools import open_pool
+from streamrl.recipe import Recipe, learner_layout, resolve_fn
+from streamrl.runtime import faultpoint
+from streamrl.runtime.evaluate import eval_due
 
 
-def learner_rows(groups: list[SampleGroup], method: str) -> tuple[list[Any], list[float]]:
-    """Learner rows (streamrl.connectors.megatron.learner.Sample) and the scored rewards of a batch."""
-    from streamrl.connectors.megatron.learner import Sample as Row
-
-    rows, rewards = [], []
-    scored_groups = []
-    for g in groups:
-        scored = [s for s in g.samples if not s.failed and s.reward is not None and s.num_tokens > 0]
-        scored_groups.append(scored)
-        rewards += [float(s.reward) for s in scored]  # type: ignore[arg-type]
-    sizes = {len(s) for s in scored_groups if s}
-    if len(sizes) == 1:  # every group complete: one tensor, batch-level methods (reinforce_pp) exact
-        full = [s for s in scored_groups if s]
-        adv = alg.group_advantages(torch.tensor([[s.reward for s in grp] for grp in full], dtype=torch.float32),
-                                   method).tolist() if full else []  # type: ignore[arg-type]
-        adv_iter = iter(adv)
-        advs = [next(adv_iter) if grp else [] for grp in scored_groups]
-    else:  # groups with failed samples: advantages within each group's scored samples
-        advs = [alg.group_advantages(torch.tensor([[s.reward for s in grp]], dtype=torch.float32),  # type: ignore[arg-type]
-                                     method if len(grp) > 1 or method == "dr_grpo" else "dr_grpo")[0].tolist()
-                if grp else [] for grp in scored_groups]
-    for gi, (g, grp, a) in enumerate(zip(groups, scored_groups, advs)):
+def learner_rows(groups: list[SampleGroup], advantage: Choice) -> tuple[list[Sample], list[float]]:
+    """Learner rows and the scored rewards of a batch; `advantage` is `learner.advantage`, a
+    built-in name or the user's function (step.sample_advantages)."""
+    scored = [alg.scored(g) for g in groups]
+    rewards = [[float(s.reward) for s in grp] for grp in scored]  # type: ignore[arg-type]
+    advs = alg.sample_advantages(rewards, advantage)
+    rows = []
+    for gi, (g, grp, a) in enumerate(zip(groups, scored, advs)):
         prompt = g.prompt_tokens.tolist()
         for s, adv in zip(grp, a):
-            rows.append(Row(prompt=prompt, response=s.response_tokens.tolist(), advantage=float(adv),
-                            rollout_logprobs=s.rollout_logprobs.tolist(), group=gi,
-                            loss_mask=s.loss_mask.tolist()))
-    return rows, rewards
+            rows.append(Sample(prompt=prompt, response=s.response_tokens.tolist(), advantage=float(adv),
+                               rollout_logprobs=s.rollout_logprobs.tolist(), group=gi,
+                               loss_mask=s.loss_mask.tolist()))
+    return rows, [r for grp in rewards for r in grp]
 
 
 def batch_order(groups: list[SampleGroup]) -> list[SampleGroup]:
@@ -93,36 +91,28 @@ class WeightSource:
     def export(self, out_dir: str, version: int | None = None) -> str:
         """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model),
         or of the pinned `version` (background evaluation: later steps may have trained meanwhile)."""
-        from streamrl.connectors.megatron.checkpoint import export_hf
-
         if version is None:
-            return str(export_hf(self, self.model_dir, out_dir))
+            return str(megatron_checkpoint.export_hf(self, self.model_dir, out_dir))
         if version not in self._pinned:
             raise KeyError(f"version {version} was not kept for export (kept: {sorted(self._pinned)})")
-        return str(export_hf(_Weights(self._pinned.pop(version)), self.model_dir, out_dir))
+        return str(megatron_checkpoint.export_hf(_Weights(self._pinned.pop(version)), self.model_dir, out_dir))
 
     def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
-        from streamrl.connectors.sglang.weight_sync import dtype_name
-
         state = self.hf_state_dict()
-        return list(state), [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
+        dtypes = [weight_sync.dtype_name(t.dtype) for t in state.values()]
+        return list(state), dtypes, [list(t.shape) for t in state.values()]
 
     def open_weight_store(self, host: str, world_size: int) -> tuple[str, int]:
         """First half of forming the weight group: its store, served here on `host` (ports.NODE:
         this node's cluster address); returns the address and port engines join at."""
-        from streamrl.connectors.ports import bind_host
-        from streamrl.connectors.sglang.weight_sync import open_store
-
         host = bind_host(host)
-        self._store = open_store(world_size, host)
+        self._store = weight_sync.open_store(world_size, host)
         return host, int(self._store.port)
 
     def init_weight_group(self, world_size: int, group_name: str, backend: str) -> None:
         """Second half: rank 0 of the group (returns once every engine has joined)."""
-        from streamrl.connectors.sglang.weight_sync import create_group
-
         assert self._store is not None, "open_weight_store first"
-        self._group = create_group(self._store, world_size, group_name, backend=backend)
+        self._group = weight_sync.create_group(self._store, world_size, group_name, backend=backend)
 
     def drop_weight_group(self) -> None:
         self._group = self._store = None
@@ -130,10 +120,8 @@ class WeightSource:
     def push_weights(self, bucketed: bool = False) -> None:
         """Broadcast the weights to the engines (rank 0 of the weight group), in buckets or
         (`bucketed=False`) one tensor at a time: as the engines were told (weight_sync)."""
-        from streamrl.connectors.sglang.weight_sync import broadcast
-
         assert self._group is not None, "init_weight_group first"
-        broadcast(self._group, list(self.hf_state_dict().values()), bucketed=bucketed)
+        weight_sync.broadcast(self._group, list(self.hf_state_dict().values()), bucketed=bucketed)
 
 
 class LearnerDriver(WeightSource):
@@ -141,11 +129,6 @@ class LearnerDriver(WeightSource):
                  store_port: int = 0) -> None:
         """One rank of the learner: `rank` of tp * pp * dp (learner.parallel), joining the
         process group through the store at `store_port` (0: a single process serves its own)."""
-        import torch.distributed as dist
-
-        from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_distributed
-        from streamrl.recipe import learner_layout
-
         tp, pp, dp = learner_layout(recipe)
         self.rank, self.world = rank, tp * pp * dp
         if recipe.learner.cpus:  # ranks share out the cores when there are enough, else share them all
@@ -162,12 +145,11 @@ class LearnerDriver(WeightSource):
                                        micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0,
                                        distributed_optimizer=lc.parallel.distributed_optimizer,
                                        max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
-        self.cfg = RLConfig.from_recipe(lc, recipe.rollout.temperature,
-                                        mode_bound(recipe.run.mode, recipe.staleness.max_staleness))
+        # learner.advantage / loss / off_policy: built-in names, or the user's functions imported here
+        self.cfg = alg.RLConfig.from_recipe(lc, recipe.rollout.temperature,
+                                            recipe.max_staleness, resolve_fn)
         self.pool = None
         if pool and rank == 0:
-            from streamrl.pools import open_pool
-
             self.pool = open_pool(recipe.pool_uri, create=True, config=recipe.pool, compact_every=recipe.pool.compact_every)
         # The weights engines get are a copy taken right after each step, so they can be pushed
         # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
@@ -180,20 +162,13 @@ class LearnerDriver(WeightSource):
     def _take_snapshot(self) -> None:
         """The weights engines get, gathered from every rank's shards (collective); rank 0 keeps
         the copy, so pushing and exporting never need the other ranks."""
-        from streamrl.connectors.sglang.weight_sync import pack
-
         state = self.learner.hf_state_dict()
-        self._snapshot = pack(state) if self.rank == 0 else None
+        self._snapshot = weight_sync.pack(state) if self.rank == 0 else None
 
     def _share(self, rows: list[Any] | None) -> list[Any] | None:
         """Rank 0's learner rows (None: no batch) on every rank."""
         if self.world == 1:
             return rows
-        import msgspec
-        import torch.distributed as dist
-
-        from streamrl.connectors.megatron.learner import Sample
-
         data = msgspec.msgpack.encode(rows) if self.rank == 0 else b""
         n = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(n, src=0, group=self._ctl)
@@ -236,9 +211,6 @@ class LearnerDriver(WeightSource):
     def train_step(self, step: int, max_staleness: int, timeout_s: float = 600) -> dict[str, Any] | None:
         """Claim a batch (waiting up to `timeout_s` for enough complete groups), train, return metrics;
         None when no batch became ready in time."""
-        from streamrl.plugins.filters import top_by_reward_std
-        from streamrl.runtime.evaluate import eval_due
-
         if self.rank != 0:  # rank 0 claims and sends the rows
             rows = self._share(None)
             if rows is not None:
@@ -264,7 +236,7 @@ class LearnerDriver(WeightSource):
             time.sleep(0.05)
         wait_s = time.perf_counter() - t_wait
         batch.groups = batch_order(batch.groups)
-        rows, rewards = learner_rows(batch.groups, self.r.learner.advantage)
+        rows, rewards = learner_rows(batch.groups, self.cfg.advantage)
         m = self._train(step, self._share(rows) or [], {"wait_s": wait_s, **batch_metrics(batch, rewards),
                                                        "stale_dropped_total": self.stale_dropped()})
         if self.r.run.eval_mode == "background" and eval_due(self.r.run, self.version):
@@ -287,8 +259,6 @@ class LearnerDriver(WeightSource):
 
     def retrain(self, step: int, group_ids: list[str], max_staleness: int) -> dict[str, Any]:
         """Train on the groups a past step consumed, as that step did (resume, replay)."""
-        from streamrl.core import staleness
-
         if self.rank != 0:
             self._train(step, self._share(None) or [])
             return {}
@@ -300,10 +270,9 @@ class LearnerDriver(WeightSource):
         if self.r.staleness.policy == "mask":
             for g in groups:
                 v = g.consumed_version if g.consumed_version is not None else self.version
-                if staleness.decide(v, g.min_version if g.min_version is not None else v, max_staleness,
-                                    "mask") == "mask":
-                    staleness.mask_stale_tokens(g, v, max_staleness)
-        rows, rewards = learner_rows(groups, self.r.learner.advantage)
+                if decide(v, g.min_version if g.min_version is not None else v, max_staleness, "mask") == "mask":
+                    mask_stale_tokens(g, v, max_staleness)
+        rows, rewards = learner_rows(groups, self.cfg.advantage)
         return self._train(step, self._share(rows) or [], {
             "groups": [g.group_id for g in groups], "samples": sum(len(g.samples) for g in groups),
             "reward_mean": float(np.mean(rewards)) if rewards else float("nan")})
@@ -319,12 +288,10 @@ class LearnerDriver(WeightSource):
     def restore(self, root: str, version: int | None = None) -> dict[str, Any] | None:
         """Load the newest checkpoint under `root` (or the one of `version`): model, optimizer,
         scheduler, RNG, policy version. Returns its `extra`, or None when there is none."""
-        from streamrl.connectors.megatron.checkpoint import latest_checkpoint, load_checkpoint
-
-        if version is None and latest_checkpoint(root) is None:
+        if version is None and megatron_checkpoint.latest_checkpoint(root) is None:
             return None
         with self._lock:
-            extra = load_checkpoint(self.learner, root, step=version)
+            extra = megatron_checkpoint.load_checkpoint(self.learner, root, step=version)
             self._take_snapshot()
             self.last_step = int(extra.get("step", self.version - 1))
             self.learner.nonfinite_skipped = int(extra.get("nonfinite_skipped_total", 0))
@@ -341,10 +308,6 @@ class LearnerDriver(WeightSource):
         """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step
         may have trained since the caller asked: the next step overlaps the publish in stream mode).
         Returns {path, step, version}."""
-        from streamrl.connectors.megatron import checkpoint as megatron_checkpoint
-        from streamrl.connectors.megatron.checkpoint import save_checkpoint
-        from streamrl.runtime import faultpoint
-
         if os.environ.get(faultpoint.ENV):
             megatron_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
         with self._lock:
@@ -353,7 +316,7 @@ class LearnerDriver(WeightSource):
             # driver logs them, and resume starts after this step (Services._restore writes them back).
             extra = {**extra, "step": step, "step_metrics": self.last_metrics,
                      "nonfinite_skipped_total": self.learner.nonfinite_skipped}
-            path = save_checkpoint(self.learner, root, extra=extra,
+            path = megatron_checkpoint.save_checkpoint(self.learner, root, extra=extra,
                                    keep_last=self.r.run.keep_checkpoints or None)
             return {"path": str(path), "step": step, "version": self.version}
 
@@ -372,8 +335,7 @@ class _Weights:
 
 def quiet_megatron() -> None:
     """megatron-core announces every missing GPU extra (TE, Apex) once per import: not news on CPU."""
-    import warnings
-
+    # transformers costs seconds to import and only the learner's processes need it: loaded here.
     from transformers.utils import logging as hf_logging
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")

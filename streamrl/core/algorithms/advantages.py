@@ -10,11 +10,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-AdvantageMethod = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+from streamrl.core.corrections import Advantage as AdvantageMethod  # the names, where the recipe reads them
 
 
 def group_advantages(rewards: torch.Tensor, method: AdvantageMethod = "grpo", eps: float = 1e-6) -> torch.Tensor:

@@ -1,34 +1,37 @@
-"""The RL objective of one micro-batch, as a function of tensors only.
+"""What one RL step reads besides the model: its settings (`RLConfig`, the recipe's `learner:`
+section) and one micro-batch's batch tensors (`LossInputs`). The step itself, from scored samples
+to the loss, is step.py.
 
-`micro_batch_loss(logp, entropy, inputs, cfg)` takes the log-probs and entropy the model's
-logits give for the micro-batch's tokens, the batch tensors (`LossInputs`: loss mask after the
-off-policy correction, advantages, proximal and reference log-probs, correction weights, group
-ids, and the micro-batch's share of the step's aggregation units) and the objective's settings,
-and returns the loss to back-propagate (already multiplied by the share, so the micro-batches of
-an optimizer step sum to the full mini-batch's aggregate) with its parts for the metrics. It
-holds no model and no state, so a Megatron forward-step function can call it unchanged.
+The objective of a micro-batch (step.micro_batch_loss):
 
-    loss = PPO-clip(logp / prox, adv) * weight   aggregated (policy_loss)
+    loss = policy loss                           learner.loss (ppo: PPO-clip(logp / prox, adv) * weight)
          + kl_coef * KL(logp || ref)             aggregated (kl_penalty)
          - entropy_coef * H                      aggregated (entropy_bonus)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from streamrl.core.algorithms.losses import aggregate, entropy_bonus, kl_penalty, policy_loss
-from streamrl.core.corrections import DEFAULTS, params, resolve
+from streamrl.core.corrections import CHOICES, DEFAULTS, is_fn_path, params, resolve
+
+# A built-in name, or the user's function itself (resolved from its `pkg.mod:fn` path).
+Choice = str | Callable[..., Any]
 
 
 @dataclass
 class RLConfig:
     """The objective and the learner's schedule per claimed batch; mirrors the recipe's
-    `learner:` keys (streamrl/recipe.py LearnerCfg) with `auto` and unset keys resolved."""
+    `learner:` keys (streamrl/recipe.py LearnerCfg) with `auto` and unset keys resolved.
+    `advantage`, `loss` and `off_policy` hold a built-in name or a function (step.py says how
+    each is called)."""
 
+    advantage: Choice = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp (advantages.py) | a function
+    loss: Choice = "ppo"  # ppo (losses.policy_loss) | a function
     loss_agg: str = "token"
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
@@ -36,7 +39,7 @@ class RLConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
-    off_policy: str = "none"  # none | tis | tis_seq | mis | decoupled | icepop (offpolicy.py)
+    off_policy: Choice = "none"  # none | tis | tis_seq | mis | decoupled | icepop (offpolicy.py) | a function
     tis_cap: float = DEFAULTS["tis_cap"]
     seq_ratio: str = DEFAULTS["seq_ratio"]
     mis_level: str = DEFAULTS["mis_level"]
@@ -50,19 +53,26 @@ class RLConfig:
     temperature: float = 1.0  # rollout temperature: log-probs are of softmax(logits / T)
 
     @classmethod
-    def from_recipe(cls, learner: Any, temperature: float, staleness_bound: int = 0) -> RLConfig:
+    def from_recipe(cls, learner: Any, temperature: float, max_staleness: int = 0,
+                    resolve_fn: Callable[[str], Callable[..., Any]] | None = None) -> RLConfig:
         """From a recipe's `learner:` section (streamrl.recipe.LearnerCfg), the rollout temperature
-        and the run mode's staleness bound (core.staleness.mode_bound), which `off_policy: auto`
-        depends on. Keys left unset (None) take corrections.DEFAULTS."""
+        and the staleness bound the run trains under (Recipe.max_staleness), which `off_policy: auto`
+        depends on. Keys left unset (None) take corrections.DEFAULTS. A function path is imported
+        with `resolve_fn` (streamrl.recipe.resolve_fn; the core itself imports no user code)."""
         kw = {f: getattr(learner, f) for f in cls.__dataclass_fields__ if f != "temperature" and hasattr(learner, f)}
         kw = {k: v for k, v in kw.items() if v is not None}
-        kw["off_policy"] = resolve(learner.off_policy, staleness_bound)
+        kw["off_policy"] = resolve(learner.off_policy, max_staleness)
+        for key in CHOICES:
+            if is_fn_path(kw.get(key)):
+                if resolve_fn is None:
+                    raise ValueError(f"learner.{key} names a function ({kw[key]}): pass resolve_fn to import it")
+                kw[key] = resolve_fn(kw[key])
         return cls(**kw, temperature=temperature)
 
     @property
     def correction(self) -> dict[str, Any]:
-        """The keyword arguments of the chosen correction (offpolicy.correct)."""
-        return params(self.off_policy, self)
+        """The keyword arguments of the chosen correction: a built-in's settings, none for a function."""
+        return params(self.off_policy, self) if isinstance(self.off_policy, str) else {}
 
 
 @dataclass
@@ -76,22 +86,3 @@ class LossInputs:
     share: float  # this micro-batch's part of the optimizer step's aggregation units
     weight: torch.Tensor | None = None  # the correction's per-token weights
     ref: torch.Tensor | None = None  # reference-model log-probs (KL), None without a KL term
-
-
-def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, x: LossInputs,
-                     cfg: RLConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(share-weighted loss to back-propagate, unweighted parts: loss, pg_loss, kl, entropy,
-    ratio_mean, ratio_max, clip_frac)."""
-    agg: Any = cfg.loss_agg
-    pg, stats = policy_loss(logp, x.prox, x.adv, x.mask, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip,
-                            x.weight, agg, x.groups)
-    loss = pg
-    kl = torch.zeros((), device=logp.device)
-    if x.ref is not None:
-        kl = aggregate(kl_penalty(logp, x.ref, cfg.kl_estimator), x.mask, agg, x.groups)  # type: ignore[arg-type]
-        loss = loss + cfg.kl_coef * kl
-    if cfg.entropy_coef:
-        loss = loss + entropy_bonus(entropy, x.mask, cfg.entropy_coef, agg, x.groups)
-    parts = {"loss": loss.detach(), "pg_loss": pg.detach(), "kl": kl.detach(),
-             "entropy": aggregate(entropy.detach(), x.mask, agg, x.groups), **stats}
-    return loss * x.share, parts
