@@ -39,7 +39,7 @@ os.chdir(REPO)
 
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 
 CONFIGS = {
     "none": ["run.eval_every=0"],

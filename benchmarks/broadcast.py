@@ -44,8 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
-from benchmarks._procs import start_engine, stop  # noqa: E402
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import start_engine, stop  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 
 PATHS = ("distributed", "distributed_per_tensor", "disk", "tensor")
 

@@ -35,8 +35,8 @@ from streamrl.connectors.sglang import api  # noqa: E402
 from streamrl.connectors.sglang.router import Router  # noqa: E402
 from streamrl.connectors.sglang.client import EngineError, GenerateResult, SGLangClient  # noqa: E402
 
-from benchmarks._procs import start_engine, stop  # noqa: E402
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import start_engine, stop  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 
 CONCURRENCY = (1, 8, 64)
 ENGINE_MAX_RUNNING = 64  # serve()'s default: at most this many requests decode together

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installe
 
 import torch  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 from benchmarks.learner_parallel import layout_name, parse_layout, run_layout  # noqa: E402
 
 FIGURES = """

@@ -41,7 +41,7 @@ from streamrl.core import corrections  # noqa: E402
 from streamrl.recipe import RecipeError, load_recipe  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 from benchmarks.stream_vs_lockstep import mode_report, shared_start  # noqa: E402
 
 OPTIONS = ("none", "tis", "tis_seq", "mis", "decoupled", "icepop")

@@ -59,7 +59,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 from benchmarks.clustersim import Cluster, Lengths, Workload, simulate  # noqa: E402
 
 COLOCATE_SWITCH_S = 5.0

@@ -43,7 +43,7 @@ import msgspec  # noqa: E402
 from streamrl.recipe import load_recipe  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 
 
 def warm_start(recipe: Any, out: Path) -> Path:
