@@ -96,3 +96,24 @@ def gather(results: Any, procs: Sequence[BaseProcess], timeout: float) -> list[A
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(procs) - len(out)} of {len(procs)} workers did not report in {timeout:g} s")
     return out
+
+
+def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float, what: str = "process") -> None:
+    """Wait for every child process to exit 0. The first that fails, or the timeout, or a failure
+    here (KeyboardInterrupt, SIGTERM turned into SystemExit) kills the rest at once: peers left in a
+    collective with a dead rank would otherwise wait out gloo's 30-minute timeout."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if bad := [p.returncode for p in procs if p.returncode not in (None, 0)]:
+                raise RuntimeError(f"{what}es exited {[p.returncode for p in procs]} (failed: {bad})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}es still running after {timeout:g} s")
+            time.sleep(0.1)
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"{what}es exited {[p.returncode for p in procs]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
