@@ -98,20 +98,20 @@ def gather(results: Any, procs: Sequence[BaseProcess], timeout: float) -> list[A
     return out
 
 
-def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float, what: str = "process") -> None:
+def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float, what: str = "child processes") -> None:
     """Wait for every child process to exit 0. The first that fails, or the timeout, or a failure
     here (KeyboardInterrupt, SIGTERM turned into SystemExit) kills the rest at once: peers left in a
     collective with a dead rank would otherwise wait out gloo's 30-minute timeout."""
     deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
-            if bad := [p.returncode for p in procs if p.returncode not in (None, 0)]:
-                raise RuntimeError(f"{what}es exited {[p.returncode for p in procs]} (failed: {bad})")
+        while None in (codes := [p.poll() for p in procs]):
+            if any(codes):  # a non-zero exit code (None is still running)
+                raise RuntimeError(f"{what}: one failed, exit codes {codes} (the others are killed)")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}es still running after {timeout:g} s")
+                raise TimeoutError(f"{what}: still running after {timeout:g} s, exit codes {codes}")
             time.sleep(0.1)
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"{what}es exited {[p.returncode for p in procs]}")
+        if any(codes):
+            raise RuntimeError(f"{what}: exit codes {codes}")
     finally:
         for p in procs:
             if p.poll() is None:

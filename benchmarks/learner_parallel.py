@@ -4,7 +4,7 @@ Each layout (`1` = one process, `tp=2`, `pp=2`, `dp=2`, or combined `tp=2,pp=2`;
 turns megatron's distributed optimizer off, which is on by default and acts when dp > 1) runs as
 tp*pp*dp processes of this module (gloo on CPU, NCCL on GPU; rank 0 serves the store on a
 socket the kernel bound, connectors/ports.py), each building MegatronLearner on the same model
-and training on the same batch (learner_step.make_batch). Rank 0 times the steps (every rank
+and training on the same batch (benchmarks/_learner.make_batch). Rank 0 times the steps (every rank
 takes part in each: the step is collective); every rank reports the bytes of its parameters and
 optimizer state (MegatronLearner.state_bytes, after the first step created Adam's moments).
 """
@@ -37,7 +37,7 @@ from streamrl.connectors.ports import listen_socket, port_of  # noqa: E402
 from benchmarks._common import wait_all  # noqa: E402
 from benchmarks._learner import layout_name, make_batch  # noqa: E402
 
-RANK_TIMEOUT_S = 3600  # a whole layout run; a rank that fails ends the others at once, well before
+RANK_TIMEOUT_S = 3600  # a whole layout run at most; a rank that fails ends the others at once (wait_all)
 
 
 def run_layout(layout: dict[str, int], preset: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def run_layout(layout: dict[str, int], preset: str, args: argparse.Namespace, wo
                                   pass_fds=(fd,) if r == 0 else (), cwd=REPO, stdout=outs[r], text=True)
                  for r in range(world)]
     try:
-        wait_all(procs, RANK_TIMEOUT_S, f"layout {layout_name(layout)}: rank")
+        wait_all(procs, RANK_TIMEOUT_S, f"layout {layout_name(layout)}: ranks")
     finally:
         for f in outs:
             f.close()
