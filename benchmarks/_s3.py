@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import stop
+from streamrl.connectors.ports import PortTaken, says_address_in_use, start_on_free_port
+from streamrl.connectors.sglang.router import _die_with_parent
+
 BUCKET = "streamrl-test"
 # Credentials travel in the environment (a recipe refuses them); moto accepts any.
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_REGION": "us-east-1"}
@@ -40,22 +44,17 @@ class S3Server:
         return [o for page in pages for o in page.get("Contents", [])]
 
     def client(self) -> Any:
-        import boto3
+        import boto3  # 0.16 s of botocore; only the S3 runs need it, not every pool benchmark importing this
 
         return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
                             aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
                             region_name=CREDENTIALS["AWS_REGION"])
 
     def stop(self) -> None:
-        from benchmarks._procs import stop
-
         stop(self.proc)
 
 
 def start_s3(log: Path) -> S3Server:
-    from streamrl.connectors.ports import PortTaken, says_address_in_use, start_on_free_port
-    from streamrl.connectors.sglang.router import _die_with_parent
-
     def start(port: int) -> S3Server:
         with open(log, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -24,6 +24,7 @@ for background ones the lag from submission to the row). `slowdown_background` a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -35,11 +36,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-os.chdir(REPO)
 
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 
 CONFIGS = {
     "none": ["run.eval_every=0"],
@@ -67,8 +67,6 @@ def run_once(recipe: str, name: str, overrides: list[str], run_dir: Path, log_pa
 
 
 def report(run_dir: Path, process_s: float) -> dict[str, Any]:
-    import json
-
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = read_jsonl(run_dir / "metrics.jsonl")
     n = max(1, len(steps))
@@ -94,7 +92,7 @@ def report(run_dir: Path, process_s: float) -> dict[str, Any]:
             "run_dir": str(run_dir)}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="recipes/quickstart.yaml")
     ap.add_argument("--steps", type=int, default=100, help="learner steps per run (default 100)")
@@ -105,11 +103,18 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every configuration")
-    a = ap.parse_args()
-    configs = [c for c in a.configs.split(",") if c]
-    unknown = sorted(set(configs) - set(CONFIGS))
+    a = ap.parse_args(argv)
+    a.config_names = [c for c in a.configs.split(",") if c]
+    unknown = sorted(set(a.config_names) - set(CONFIGS))
     if unknown:
         ap.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+    return a
+
+
+def main() -> None:
+    a = parse_args()
+    configs = a.config_names
+    os.chdir(REPO)  # the recipe's relative paths (runs/models/..., runs/data/...) are the checkout's
     load0 = os.getloadavg()[0]
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="background-eval-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -44,8 +44,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
-from benchmarks._procs import start_engine, stop  # noqa: E402
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save  # noqa: E402
+
+from streamrl.connectors.megatron.model_kit import build_model, build_tokenizer, init_model_dir  # noqa: E402
+from streamrl.connectors.sglang.client import SGLangClient  # noqa: E402
+from streamrl.connectors.sglang.weight_sync import pack  # noqa: E402
+from streamrl.runtime.broadcast import VersionBroadcaster  # noqa: E402
+from streamrl.runtime.learner import WeightSource  # noqa: E402
+from streamrl.runtime.runlog import RunLog  # noqa: E402
+
+from benchmarks._common import emit, git_rev, log, machine, start_engine, stop  # noqa: E402
 
 PATHS = ("distributed", "distributed_per_tensor", "disk", "tensor")
 
@@ -87,14 +96,8 @@ machine: cpus, 1-minute loadavg at start and end (anything above ~0 means other 
 LOAD_PER_ENGINE = 4  # requests in flight on each engine during the pause measurements
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def memcopy_bps(nbytes: int, repeats: int) -> float:
     """Best bytes/s of `copy_` between two preallocated fp32 buffers (torch threads: the caller's, 1)."""
-    import torch
-
     src = torch.ones(nbytes // 4)
     dst = torch.zeros_like(src)
     best = float("inf")
@@ -111,8 +114,6 @@ class Sender:
     each on a thread, and timed."""
 
     def __init__(self, model_dir: Path, states: list[dict[str, Any]]) -> None:
-        from streamrl.runtime.learner import WeightSource
-
         class Source(WeightSource):
             def hf_state_dict(inner) -> dict[str, Any]:
                 return self.states[self.current]
@@ -135,8 +136,6 @@ class Sender:
 
 
 def reference_logprobs(model: Any, prompt: list[int], output: list[int]) -> list[float]:
-    import torch
-
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + output], device=model.device)).logits[0].cpu()
     rows = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(output)].float(), -1)
@@ -178,12 +177,6 @@ class Bench:
         return urls
 
     async def preset(self, preset: str) -> dict[str, Any]:
-        from streamrl.connectors.megatron.model_kit import build_model, build_tokenizer, init_model_dir
-        from streamrl.connectors.sglang.client import SGLangClient
-        from streamrl.connectors.sglang.weight_sync import pack
-        from streamrl.runtime.broadcast import VersionBroadcaster
-        from streamrl.runtime.runlog import RunLog
-
         model_dir = init_model_dir(self.work / preset / "model", preset, seed=0)
         tok = build_tokenizer()
         models = [build_model(tok, preset, seed).to(self.args.device) for seed in (0, 1)]
@@ -233,8 +226,6 @@ class Bench:
         if interrupt:
             await asyncio.gather(*(c.pause("in_place") for c in workers.values()))
         t_push = time.perf_counter()
-        from safetensors.torch import save
-
         blob = save(states[k])
 
         async def one(c: Any) -> None:  # inside SGLang's session; in_place keeps requests, so no flush
@@ -332,8 +323,6 @@ def main() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     wall0, load0 = time.perf_counter(), os.getloadavg()[0]
-    import torch
-
     torch.set_num_threads(1)  # the learner's default (recipe learner.threads); engines run one too
     args.memcopy_bps = memcopy_bps(256 * 1024**2, args.memcopy_repeats)
     log(f"memcopy (256 MiB, single thread): {args.memcopy_bps / 1e9:.2f} GB/s")

@@ -38,27 +38,30 @@ sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installe
 
 import torch  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from streamrl.connectors.megatron.model_kit import init_model_dir  # noqa: E402
+from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest  # noqa: E402
+
+from benchmarks._common import emit, git_rev, log, machine  # noqa: E402
 
 CONCURRENCY = (1, 8, 64)
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def run_batch(core: Any, prompts: list[list[int]], **sampling: Any) -> tuple[list[Any], float]:
-    """Submit one request per prompt at once; wait for all; return them and the wall seconds."""
-    from streamrl.connectors.sglang.engine_core import GenRequest
-
+def run_batch(core: EngineCore, loop: threading.Thread, prompts: list[list[int]],
+              **sampling: Any) -> tuple[list[Any], float]:
+    """Submit one request per prompt at once; wait for all; return them and the wall seconds.
+    Raises at once if the engine's `loop` thread died (it would never finish them)."""
     done = threading.Semaphore(0)
     reqs = [GenRequest(rid=f"r{i}", input_ids=p, ignore_eos=True, on_done=lambda _: done.release(), **sampling)
             for i, p in enumerate(prompts)]
     t = time.perf_counter()
     core.submit_many(reqs)
+    deadline = t + 600
     for _ in reqs:
-        if not done.acquire(timeout=600):
-            raise TimeoutError("the engine did not finish a batch in 600 s")
+        while not done.acquire(timeout=0.5):
+            if not loop.is_alive():
+                raise RuntimeError("the engine loop thread died (its traceback is on stderr)")
+            if time.perf_counter() > deadline:
+                raise TimeoutError("the engine did not finish a batch in 600 s")
     wall = time.perf_counter() - t
     if bad := [r.finish for r in reqs if (r.finish or {}).get("type") != "length"]:
         raise RuntimeError(f"requests ended early: {bad[:3]}")
@@ -66,21 +69,19 @@ def run_batch(core: Any, prompts: list[list[int]], **sampling: Any) -> tuple[lis
 
 
 def measure(model_dir: Path, device: str, args: argparse.Namespace) -> dict[str, Any]:
-    from streamrl.connectors.sglang.engine_core import EngineCore
-
     core = EngineCore(model_dir, max_running=max(CONCURRENCY), device=device)
     thread = threading.Thread(target=core.run, daemon=True)
     thread.start()
     try:
         prompts = [[5 + i, 17, 42 + i, 99, 7] for i in range(args.parity_requests)]
-        greedy, _ = run_batch(core, prompts, max_new_tokens=args.max_new_tokens, temperature=0.0)
-        run_batch(core, prompts[:8], max_new_tokens=8, temperature=1.0, sampling_seed=0)  # warm-up
+        greedy, _ = run_batch(core, thread, prompts, max_new_tokens=args.max_new_tokens, temperature=0.0)
+        run_batch(core, thread, prompts[:8], max_new_tokens=8, temperature=1.0, sampling_seed=0)  # warm-up
         rate = {}
         for c in CONCURRENCY:
             walls, tokens = [], c * args.max_new_tokens
             for k in range(args.rounds):
                 ps = [[3 + (i + k) % 200, 11, 23, 9] for i in range(c)]
-                _, wall = run_batch(core, ps, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                _, wall = run_batch(core, thread, ps, max_new_tokens=args.max_new_tokens, temperature=1.0,
                                     sampling_seed=1000 * k)
                 walls.append(wall)
             rate[f"c{c}"] = round(tokens / statistics.median(walls), 1)
@@ -112,7 +113,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = ap.parse_args()
     wall0, load0 = time.perf_counter(), os.getloadavg()[0]
-    from streamrl.connectors.megatron.model_kit import init_model_dir
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     out: dict[str, Any] = {"benchmark": "engine_devices", "devices": devices}

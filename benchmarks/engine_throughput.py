@@ -30,13 +30,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
 import msgspec  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
+from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir  # noqa: E402
 from streamrl.connectors.sglang import api  # noqa: E402
-from streamrl.connectors.sglang.router import Router  # noqa: E402
 from streamrl.connectors.sglang.client import EngineError, GenerateResult, SGLangClient  # noqa: E402
+from streamrl.connectors.sglang.router import Router  # noqa: E402
 
-from benchmarks._procs import start_engine, stop  # noqa: E402
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, log, machine, start_engine, stop  # noqa: E402
 
 CONCURRENCY = (1, 8, 64)
 ENGINE_MAX_RUNNING = 64  # serve()'s default: at most this many requests decode together
@@ -75,18 +77,12 @@ figures:
 """
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def param_count(model_dir: Path) -> int:
-    from safetensors import safe_open
-
     n = 0
     for f in model_dir.glob("*.safetensors"):  # a tied lm_head is not stored, so it counts once
         with safe_open(str(f), "pt") as st:
@@ -108,8 +104,6 @@ class Load:
     """Closed-loop load: `concurrency` clients, each sending requests back to back."""
 
     def __init__(self, tokenizer_file: Path, max_new_tokens: int) -> None:
-        from tokenizers import Tokenizer
-
         self.tok = Tokenizer.from_file(str(tokenizer_file))
         self.max_new = max_new_tokens
         self.rng = random.Random(0)
@@ -281,8 +275,6 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="engine_throughput-", dir=REPO / "runs"))
     procs: list[Any] = []
     try:
-        from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir
-
         log(f"building the {args.preset} model in {work}")
         model_dir = init_model_dir(work / "model", preset=args.preset)
         params = param_count(model_dir)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import random
 import shutil
 import signal
 import statistics
@@ -34,10 +33,22 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
-import torch  # noqa: E402
+# megatron / mbridge warn at import that there is no TransformerEngine / Apex (expected on CPU)
+warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|mbridge)(\.|$)")
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
-from benchmarks.learner_parallel import layout_name, parse_layout, run_layout  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from streamrl.connectors.megatron.batch import TokenBatch, logprobs_and_entropy  # noqa: E402
+from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_single_process  # noqa: E402
+from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir  # noqa: E402
+from streamrl.core import algorithms as alg  # noqa: E402
+
+from benchmarks._common import emit, git_rev, log, machine  # noqa: E402
+from benchmarks._learner import layout_name, make_batch, parse_layout  # noqa: E402
+from benchmarks.learner_parallel import run_layout  # noqa: E402
 
 FIGURES = """
 method: a fixed batch of --samples rows in groups of --group-size (GRPO: random 0/1 rewards
@@ -95,10 +106,6 @@ run of tp*pp*dp processes per layout and preset (benchmarks/learner_parallel.py)
 """
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
@@ -112,8 +119,6 @@ class TransformersLearner:
 
     def __init__(self, model_dir: Path, lr: float, grad_clip: float, micro_batch_size: int,
                  attention: str = "sdpa", max_tokens: int | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                           attn_implementation=attention)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -123,21 +128,14 @@ class TransformersLearner:
         self.max_tokens_per_micro_batch = max_tokens
 
     def _micro_batches(self, samples: Sequence[Any]) -> list[list[Any]]:
-        from streamrl.connectors.megatron.learner import MegatronLearner
-
         return MegatronLearner._micro_batches(self, samples)  # type: ignore[arg-type]  # same split
 
     def _forward(self, b: Any, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from streamrl.connectors.megatron.batch import logprobs_and_entropy
-
         # Right padding: the causal mask alone keeps pads away from real tokens, as in TokenBatch.
         logits = self.model(input_ids=b.ids, position_ids=b.positions).logits
         return logprobs_and_entropy(logits, b.ids, temperature, with_entropy)
 
     def rl_step(self, samples: Sequence[Any], cfg: Any) -> dict[str, float]:
-        from streamrl.connectors.megatron.batch import TokenBatch
-        from streamrl.core import algorithms as alg
-
         self.model.train()
         mbs = self._micro_batches(samples)
         prox: list[torch.Tensor] = []
@@ -174,34 +172,6 @@ class TransformersLearner:
 # ---------------------------------------------------------------- batch and measurement
 
 
-def make_batch(args: argparse.Namespace, vocab: int) -> list[Any]:
-    from streamrl.connectors.megatron.learner import Sample
-    from streamrl.core.algorithms import group_advantages
-
-    rng = random.Random(0)
-    groups = args.samples // args.group_size
-    rewards = torch.tensor([[float(rng.random() < 0.5) for _ in range(args.group_size)] for _ in range(groups)])
-    for row in rewards:  # GRPO needs spread inside a group for nonzero advantages
-        if row.min() == row.max():
-            row[0] = 1.0 - row[0]
-    adv = group_advantages(rewards, "grpo").flatten().tolist()
-
-    def length(mean: int) -> int:
-        return rng.randint(max(1, mean * 3 // 4), max(1, mean * 5 // 4))
-
-    steps = range(2, 29)
-
-    def response_len() -> int:
-        if args.longtail:
-            return 8 * rng.choices(steps, weights=[1 / n for n in steps])[0]
-        return length(args.response_len)
-
-    # ids from 3 up: no special tokens (0-2), though the model would not care
-    return [Sample(prompt=[rng.randrange(3, vocab) for _ in range(length(args.prompt_len))],
-                   response=[rng.randrange(3, vocab) for _ in range(response_len())],
-                   advantage=adv[i], group=i // args.group_size) for i in range(groups * args.group_size)]
-
-
 def side_summary(times: list[float], batch: dict[str, int]) -> dict[str, Any]:
     med = statistics.median(times)
     return {"step_s_median": round(med, 4), "step_s_p90": round(pct(times, 0.9), 4),
@@ -216,9 +186,6 @@ def first_stats(r: dict[str, float], digits: int | None = 6) -> dict[str, float]
 
 
 def bench_preset(preset: str, args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig
-    from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir
-
     log(f"{preset}: building the model in {work / preset}")
     model_dir = init_model_dir(work / preset, preset=preset)
     mg = MegatronLearner(model_dir, lr=args.lr, grad_clip=1.0, micro_batch_size=args.micro_batch_size,
@@ -327,8 +294,6 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally block on kill, too
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # megatron / mbridge warn at import that there is no TransformerEngine / Apex (expected on CPU)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|mbridge)(\.|$)")
     wall0, load0 = time.perf_counter(), os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     try:
@@ -336,11 +301,7 @@ def main() -> None:
     except RuntimeError:
         pass
     torch.manual_seed(0)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # no weight-loading / shard-writing bars on stderr
-
-    from streamrl.connectors.megatron.learner import init_single_process
 
     (REPO / "runs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="learner_step-", dir=REPO / "runs"))
@@ -355,8 +316,6 @@ def main() -> None:
                 presets[preset], batch = bench_preset(preset, args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     head: dict[str, Any] = {"parallel": presets} if args.parallel else {

@@ -35,13 +35,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-os.chdir(REPO)
+
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from streamrl.core import corrections  # noqa: E402
 from streamrl.recipe import RecipeError, load_recipe  # noqa: E402
+from streamrl.runtime.run import run_async  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 from benchmarks.stream_vs_lockstep import mode_report, shared_start  # noqa: E402
 
 OPTIONS = ("none", "tis", "tis_seq", "mis", "decoupled", "icepop")
@@ -71,9 +74,6 @@ def option_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import numpy as np
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(13, 5), layout="constrained")
     ax_r, ax_a = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     names = list(result["options"])
@@ -109,7 +109,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="recipes/quickstart.yaml", help="any stream recipe (default: the quick-start)")
     ap.add_argument("--corrections", default=",".join(OPTIONS), help="learner.off_policy options to run")
@@ -121,11 +121,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="6 steps, one run per option (a smoke run, not a measurement)")
     ap.add_argument("--out-dir", default="runs/off_policy", help="off_policy.json and off_policy.png go here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every run")
-    a = ap.parse_args()
-    names = [c for c in a.corrections.split(",") if c]
-    bad = [c for c in names if c not in OPTIONS]
-    if bad or not names:
+    a = ap.parse_args(argv)
+    a.names = [c for c in a.corrections.split(",") if c]
+    bad = [c for c in a.names if c not in OPTIONS]
+    if bad or not a.names:
         ap.error(f"--corrections: unknown {bad}; choose from {', '.join(OPTIONS)}")
+    return a
+
+
+def main() -> None:
+    a = parse_args()
+    names = a.names
+    os.chdir(REPO)  # the recipes' relative paths (runs/models/..., runs/data/...) are the checkout's
     load0 = os.getloadavg()[0]
     fixed = [f"staleness.max_staleness={a.max_staleness}", "staleness.policy=keep", "run.mode=stream"]
     try:
@@ -135,8 +142,6 @@ def main() -> None:
         raise SystemExit(2) from None
     steps = 6 if a.quick else (a.steps or base.run.steps)
     repeats = 1 if a.quick else a.repeats
-    from streamrl.runtime.run import run_async
-
     work, model, sft_s = shared_start(base, "off-policy-")
     pin = not a.no_pin and (os.cpu_count() or 1) >= 2
     runs: list[dict[str, Any]] = []

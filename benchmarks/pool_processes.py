@@ -27,15 +27,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
-from benchmarks.pool_throughput import GROUP, IPC_GROUPS, ipc_phase, log, make_groups  # noqa: E402
+from streamrl.pools import LancePool  # noqa: E402
+
+from benchmarks._common import emit, gather, git_rev, log, machine  # noqa: E402
+from benchmarks._pool import GROUP, IPC_GROUPS, ipc_phase, make_groups  # noqa: E402
 
 MODES = ("commit", "write_ahead")
 
 
 def _producer(uri: str, k: int, args: argparse.Namespace, write_ahead: bool, ready: Any, go: Any, done: Any) -> None:
-    from streamrl.pools import LancePool
-
     groups = make_groups(args.groups, np.random.default_rng(args.seed), "p", consumed=0, resp=args.response_tokens)
     pool = LancePool(uri, create=False, compact_every=0, write_ahead=write_ahead)
     ready.put(k)
@@ -48,23 +48,21 @@ def _producer(uri: str, k: int, args: argparse.Namespace, write_ahead: bool, rea
 
 
 def one(args: argparse.Namespace, work: Path, mode: str) -> dict[str, Any]:
-    from streamrl.pools import LancePool
-
     uri = str(work / mode / "pool")
     LancePool(uri).close()
     ctx = mp.get_context("spawn")
     ready, done, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_producer, args=(uri, k, args, mode == "write_ahead", ready, go, done))
+    # Daemons, and gathered by gather(): a producer's failure, or this process's, ends them all at once.
+    procs = [ctx.Process(target=_producer, args=(uri, k, args, mode == "write_ahead", ready, go, done), daemon=True)
              for k in range(args.producers)]
     for p in procs:
         p.start()
-    for _ in procs:
-        ready.get(timeout=300)
+    gather(ready, procs, timeout=300)
     t0 = time.perf_counter()
     go.set()
-    end = max(done.get(timeout=600) for _ in procs)
+    end = max(gather(done, procs, timeout=600))
     for p in procs:
-        p.join()
+        p.join(timeout=60)
     with LancePool(uri, create=False) as pool:
         led = pool.ledger()
     rows = args.groups * GROUP

@@ -33,21 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lance
 import numpy as np
+from matplotlib.figure import Figure
 
-from benchmarks.pool_throughput import (
-    BATCH_GROUPS,
-    GROUP,
-    IPC_GROUPS,
-    append_phase,
-    append_summary,
-    claim_phase,
-    dir_mb,
-    ipc_phase,
-    ipc_summary,
-    log,
-    make_groups,
-)
+from benchmarks._common import log
+from benchmarks._pool import (
+    BATCH_GROUPS, GROUP, IPC_GROUPS, Store, append_phase, append_summary, claim_phase, dir_mb, ipc_phase, ipc_summary,
+    make_groups)
 from streamrl.core.claims import claim_columns
 from streamrl.pools import LancePool
 from streamrl.pools.queries import pool_query, pool_stats
@@ -75,7 +68,7 @@ def _history(pool: LancePool, n_groups: int, resp: tuple[int, int], rng: np.rand
     t0 = time.perf_counter()
     for first in range(0, n_groups, BUILD_CHUNK):
         chunk = make_groups(min(BUILD_CHUNK, n_groups - first), rng, "hist", consumed=0, resp=resp, first=first)
-        append_phase(pool, Path(pool.uri), chunk, 8)
+        append_phase(pool, Store(pool.uri), chunk, 8)
         if first and first % (BUILD_CHUNK * 16) == 0:
             log(f"  history: {first * GROUP} rows")
     pool.compact()  # what the learner's background compaction would have done meanwhile
@@ -99,10 +92,10 @@ def _appends(pool: LancePool, feed: list[Any], rounds: int, work: Path) -> dict[
     per = MULTI_GROUPS + SINGLE_GROUPS
     for k in range(rounds):
         part = feed[k * per:k * per + MULTI_GROUPS]
-        multi.append(append_phase(pool, Path(pool.uri), part, 8))
+        multi.append(append_phase(pool, Store(pool.uri), part, 8))
         ipc_m.append(ipc_phase(part, IPC_GROUPS, work / "ipc"))
         part = feed[k * per + MULTI_GROUPS:(k + 1) * per]
-        single.append(append_phase(pool, Path(pool.uri), part, 1))
+        single.append(append_phase(pool, Store(pool.uri), part, 1))
         ipc_s.append(ipc_phase(part, 1, work / "ipc"))
         shutil.rmtree(work / "ipc", ignore_errors=True)
     m, s = append_summary(multi, 8), append_summary(single, 1)
@@ -123,7 +116,7 @@ def one_size(rows: int, args: argparse.Namespace, work: Path, rng: np.random.Gen
     with LancePool(uri, compact_every=0) as pool:
         out["build_s"] = round(_history(pool, n_hist, resp, rng), 1)
         backlog = make_groups(BACKLOG_GROUPS, rng, "backlog", consumed=0, first=n_hist)
-        append_phase(pool, uri, backlog, 8)
+        append_phase(pool, Store(uri), backlog, 8)
         n_append = args.rounds * (MULTI_GROUPS + SINGLE_GROUPS)
         feed = make_groups(n_append + args.claims * BATCH_GROUPS, rng, "feed", consumed=0, first=n_hist + BACKLOG_GROUPS)
         log(f"{rows} rows: appends")
@@ -160,15 +153,11 @@ def one_size(rows: int, args: argparse.Namespace, work: Path, rng: np.random.Gen
 
 def live_bytes(uri: Path) -> int:
     """Bytes of the data files the latest version of each table uses (what stays after cleanup)."""
-    import lance
-
     return sum(df.file_size_bytes or 0 for t in ("pool", "admissions", "claims")
                for frag in lance.dataset(str(uri / f"{t}.lance")).get_fragments() for df in frag.data_files())
 
 
 def plot(sizes: list[dict[str, Any]], path: Path) -> None:
-    from matplotlib.figure import Figure
-
     x = [s["rows"] for s in sizes]
     fig = Figure(figsize=(11, 8))
     (a, b), (c, d) = fig.subplots(2, 2)

@@ -28,7 +28,12 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a plain script from a checkout, installed or not
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from streamrl.core.types import Sample, SampleGroup, VersionSpan, make_group_id  # noqa: E402
+from streamrl.pools import LancePool  # noqa: E402
+from streamrl.producers.sdk import ProducerClient  # noqa: E402
+from streamrl.producers.api_process import start_service_process, stop_service_process  # noqa: E402
+
+from benchmarks._common import emit, gather, git_rev, log, machine  # noqa: E402
 
 N_SAMPLES = 8  # responses per group
 VOCAB = 151_936  # Qwen2 vocabulary: realistic token ids
@@ -50,10 +55,6 @@ figures (wall-clock; synthetic group generation is outside the latency but insid
 """
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def make_run(root: Path) -> Path:
     (root / "model").mkdir(parents=True)
     (root / "model" / "config.json").write_text(json.dumps({"vocab_size": VOCAB, "max_position_embeddings": 4096}))
@@ -68,8 +69,6 @@ def make_run(root: Path) -> Path:
 
 
 def synthetic_group(producer_id: str, i: int, rng: np.random.Generator) -> Any:
-    from streamrl.core.types import Sample, SampleGroup, VersionSpan, make_group_id
-
     samples = []
     for k in range(N_SAMPLES):
         n = int(rng.integers(24, 41))
@@ -82,10 +81,8 @@ def synthetic_group(producer_id: str, i: int, rng: np.random.Generator) -> Any:
                        samples=samples)
 
 
-def producer(run_dir: str, index: int, seconds: float, dup_every: int, start: Any, out: Any) -> None:
+def producer(run_dir: str, index: int, seconds: float, dup_every: int, ready: Any, start: Any, out: Any) -> None:
     """One producer process: lease, generate, submit until the window closes."""
-    from streamrl.producers.sdk import ProducerClient
-
     async def go() -> dict[str, Any]:
         pid = f"bench-{index}"
         rng = np.random.default_rng(index)
@@ -93,6 +90,7 @@ def producer(run_dir: str, index: int, seconds: float, dup_every: int, start: An
         stats = {"stored": 0, "duplicate": 0, "tokens": 0, "lease_calls": 0}
         async with ProducerClient.from_run_dir(run_dir, pid) as client:
             await client.status()  # connection up before the clock starts
+            ready.put(index)
             start.wait()
             deadline, lease, i = time.perf_counter() + seconds, None, 0
             while time.perf_counter() < deadline:
@@ -129,29 +127,27 @@ def parse_args() -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from streamrl.producers.api_process import start_service_process, stop_service_process
-
     run_dir = make_run(work)
     proc, url = start_service_process("run", work, work / "service.log")
     log(f"service at {url}; {args.producers} producers for {args.seconds:g}s")
     try:
         ctx = mp.get_context("spawn")
-        start, out = ctx.Barrier(args.producers + 1), ctx.Queue()
-        procs = [ctx.Process(target=producer, args=(str(run_dir), k, args.seconds, args.dup_every, start, out))
-                 for k in range(args.producers)]
+        ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+        # Daemons, gathered fail-fast: a producer's failure, or this process's, ends them all at once.
+        procs = [ctx.Process(target=producer, args=(str(run_dir), k, args.seconds, args.dup_every, ready, start, out),
+                             daemon=True) for k in range(args.producers)]
         for p in procs:
             p.start()
-        start.wait(timeout=120)
+        gather(ready, procs, timeout=120)
+        start.set()
         t0 = time.perf_counter()
-        results = [out.get(timeout=args.seconds + 120) for _ in procs]
+        results = gather(out, procs, timeout=args.seconds + 120)
         window = time.perf_counter() - t0
         for p in procs:
-            p.join()
+            p.join(timeout=60)
         status = get_status(url, (run_dir / "producer_token").read_text().strip())
     finally:
         stop_service_process(proc)
-    from streamrl.pools import LancePool
-
     with LancePool(run_dir / "pool", create=False) as pool:
         led = pool.ledger()
     lat = np.array([x for r in results for x in r["lat"]]) * 1000

@@ -59,7 +59,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from streamrl.pools.queries import pool_query  # noqa: E402
+from streamrl.pools.lance_pool import LancePool  # noqa: E402
+from streamrl.recipe import load_recipe  # noqa: E402
+
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 from benchmarks.clustersim import Cluster, Lengths, Workload, simulate  # noqa: E402
 
 COLOCATE_SWITCH_S = 5.0
@@ -144,16 +150,13 @@ def sweep(base: Workload, cover: dict[str, Any], gpus: int) -> list[dict[str, An
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = list(result["sizes"])
     labels = list(result["sizes"][sizes[0]])
     figs = [("speedup", "samples/s ÷ lockstep"), ("engine_utilisation", "engine utilisation"),
             ("learner_utilisation", "learner utilisation"), ("staleness_mean", "mean staleness (max: dot)")]
-    fig, axes = plt.subplots(len(figs), 1, figsize=(11, 3.2 * len(figs)), sharex=True)
+    # A bare Figure (no pyplot): no GUI backend to pick and no global figure to close.
+    fig = Figure(figsize=(11, 3.2 * len(figs)))
+    axes = fig.subplots(len(figs), 1, sharex=True)
     width = 0.8 / len(sizes)
     for ax, (key, title) in zip(axes, figs):
         for k, size in enumerate(sizes):
@@ -171,7 +174,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle("StreamRL cluster simulation (benchmarks/simulate_cluster.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def read_lengths(path: str, max_new_tokens: int) -> Lengths:
@@ -245,10 +247,6 @@ def main_simulate(a: argparse.Namespace) -> None:
 def cpu_setup(measured: dict[str, Any], c1_tok_s: float, c64_tok_s: float, max_running: int
               ) -> tuple[Cluster, Workload, dict[str, Any]]:
     """The recipe as stream_vs_lockstep.py ran it (long-tail by default), from what that run measured."""
-    from streamrl.pools.queries import pool_query
-    from streamrl.pools.lance_pool import LancePool
-    from streamrl.recipe import load_recipe
-
     r = load_recipe(str(REPO / measured["recipe"]), measured.get("overrides", []))
     run_dir = Path(measured["work_dir"]) / "lockstep"
     pool = LancePool(run_dir / "pool", create=False)

@@ -36,23 +36,21 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-os.chdir(REPO)
 
 import msgspec  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from streamrl.recipe import load_recipe  # noqa: E402
-from streamrl.runtime.runlog import read_jsonl  # noqa: E402
+from streamrl.runtime.inputs import prepare_inputs, sft_rows  # noqa: E402
+from streamrl.runtime.learner import LearnerDriver  # noqa: E402
+from streamrl.runtime.run import run_async  # noqa: E402
+from streamrl.runtime.runlog import RunLog, read_jsonl  # noqa: E402
 
-from benchmarks._report import emit, git_rev, machine  # noqa: E402
+from benchmarks._common import emit, git_rev, machine  # noqa: E402
 
 
 def warm_start(recipe: Any, out: Path) -> Path:
     """The quick-start's SFT phase once, exported as an HF directory every mode starts from."""
-    from transformers import AutoTokenizer
-
-    from streamrl.runtime.inputs import sft_rows
-    from streamrl.runtime.learner import LearnerDriver
-
     tok = AutoTokenizer.from_pretrained(recipe.model.path)
     drv = LearnerDriver(recipe, recipe.model.path, pool=False)
     s = recipe.sft
@@ -63,9 +61,6 @@ def warm_start(recipe: Any, out: Path) -> Path:
 def shared_start(recipe: Any, prefix: str, sft_model: str | None = None) -> tuple[Path, Path, float]:
     """A fresh work directory with the recipe's inputs prepared and its SFT warm-start done once
     (or `sft_model`, one done before): (work dir, the model every run starts from, SFT seconds)."""
-    from streamrl.runtime.inputs import prepare_inputs
-    from streamrl.runtime.runlog import RunLog
-
     work = Path(tempfile.mkdtemp(prefix=prefix))
     prepare_inputs(recipe, RunLog(work / "prepare", echo=False))
     t0 = time.perf_counter()
@@ -96,7 +91,7 @@ def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             "gen_tokens_per_s": mean("gen_tokens_per_s"), "train_tokens_per_s": mean("train_tokens_per_s")}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--recipe", default="recipes/longtail.yaml", help="the recipe (default: %(default)s)")
@@ -114,12 +109,15 @@ def main() -> None:
                                         "(e.g. WORK_DIR/sft-model of an earlier run of this script)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every mode")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
+    os.chdir(REPO)  # the recipes' relative paths (runs/models/..., runs/data/...) are the checkout's
     load0 = os.getloadavg()[0]
     base = load_recipe(a.recipe, a.overrides)
     steps = 6 if a.quick else (a.steps or base.run.steps)
-    from streamrl.runtime.run import run_async
-
     work, model, sft_s = shared_start(base, "stream-vs-lockstep-", a.sft_model)
     pin = not a.no_pin and (os.cpu_count() or 1) >= 2
     modes: dict[str, Any] = {}

@@ -41,7 +41,7 @@ def probe(backend: str) -> dict[str, Any]:
     ctx = mp.get_context("spawn")  # CUDA in a child needs spawn
     answer = ctx.Queue()
     store = open_store(2)
-    p = ctx.Process(target=engine, args=(store.port, backend, answer))
+    p = ctx.Process(target=engine, args=(store.port, backend, answer), daemon=True)  # dies with this one
     p.start()
     t = time.perf_counter()
     try:

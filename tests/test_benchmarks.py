@@ -1,0 +1,320 @@
+"""Every benchmark runs in a tiny form, so a refactor cannot break one silently (issue 45: `pool_throughput.py
+--scale` hung for 26 minutes on main and nothing noticed): each script is started as a subprocess with its
+smallest flags, must exit 0 within seconds and print one JSON object with the figures that matter (two
+that start several whole runs are checked in process instead: REPORT_ONLY says why). A new
+benchmarks/*.py that no smoke form covers fails `test_every_benchmark_has_a_smoke_form`. benchmarks/ has no
+import circle (AST, as tests/test_layout.py checks the packages).
+
+Timing figures are never asserted (benchmarks/README.md: measurements, not tests); what is asserted is that
+the run finished and its correctness checks (ledgers, parity, pushes verified) held."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import background_eval, off_policy
+from streamrl.connectors.megatron.model_kit import init_model_dir
+from streamrl.plugins.tasks import write_task
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+SMOKE_TIMEOUT_S = 120  # each form takes seconds; a hang (as --scale's) fails its test instead of stalling CI
+
+
+@dataclass(frozen=True)
+class Smoke:
+    argv: tuple[str, ...]  # the script under benchmarks/ and its flags; "{tmp}" is the test's tmp_path
+    check: Callable[[dict[str, Any]], None]
+    covers: tuple[str, ...] = ()  # benchmark modules without a __main__ that this run exercises
+    slow: bool = True  # the project's marker for tests over ~5 s
+    # "{short_tmp}": a fresh directory under /tmp, removed afterwards. For TMPDIR where Ray starts: its
+    # socket paths under pytest's tmp_path pass the 107-byte limit of AF_UNIX (and its work directory,
+    # left for simulate_cluster.py --calibrate, lands there instead of in /tmp).
+    env: dict[str, str] = field(default_factory=dict)
+    prepare: Callable[[Path], list[str]] | None = None  # builds inputs in tmp_path; returns more arguments
+
+
+def _pool_throughput(d: dict[str, Any]) -> None:
+    assert d["benchmark"] == "pool_throughput" and d["ledger_balanced"] is True
+    assert d["claim"]["claims"] == 2 and d["append_concurrent"]["rows"] > 0 and d["arrow_ipc"]["rows"] > 0
+
+
+def _pool_throughput_s3(d: dict[str, Any]) -> None:
+    _pool_throughput(d)
+    assert d["config"]["pool_store"].startswith("s3") and d["data"]["pool_mb_at_end"] > 0
+
+
+def _pool_scale(d: dict[str, Any]) -> None:
+    assert d["benchmark"] == "pool_throughput --scale" and [s["rows"] for s in d["sizes"]] == [2000]
+    size = d["sizes"][0]
+    assert size["ledger_balanced"] is True and size["claim"]["claims"] == 2 and size["pool_rows"] == size["stats_rows"]
+    assert Path(d["png"]).is_file()
+
+
+def _pool_processes(d: dict[str, Any]) -> None:
+    assert d["commit"]["ledger_balanced"] is True and d["write_ahead"]["ledger_balanced"] is True
+
+
+def _producer_ingest(d: dict[str, Any]) -> None:
+    assert d["accepted"] > 0 and d["ledger"]["balanced"] is True and d["ledger"]["admitted_equals_accepted"] is True
+
+
+def _simulate_cluster(d: dict[str, Any]) -> None:
+    assert set(d["sizes"]) == {"8"} and d["sizes"]["8"]["lockstep"]["speedup"] == 1.0
+
+
+def _weight_group_probe(d: dict[str, Any]) -> None:
+    assert d["gloo"]["learner"]["ok"] is True and d["gloo"]["engine"]["ok"] is True, d["gloo"]
+
+
+def _engine_devices(d: dict[str, Any]) -> None:
+    assert d["tiny"]["cpu"]["parity"]["same_tokens"] == 1.0 and d["tiny"]["cpu"]["tokens_per_s"]["c8"] > 0
+
+
+def _engine_throughput(d: dict[str, Any]) -> None:
+    assert d["direct"]["c1"]["requests"] > 0 and d["router"]["c1"]["requests"] > 0, d
+
+
+def _broadcast(d: dict[str, Any]) -> None:
+    # Every push is checked on the engine (weight_version and log-probs) or the run fails.
+    assert set(d["tiny"]["engines_1"]) >= {"distributed", "disk", "tensor"}, d["tiny"]
+
+
+def _learner_step(d: dict[str, Any]) -> None:
+    agree = d["presets"]["tiny"]["agreement"]
+    assert agree["grad_norm_rel_diff"] < 1e-3 and math.isfinite(agree["megatron"]["loss"]), agree
+
+
+def _stream_vs_lockstep(d: dict[str, Any]) -> None:
+    stream = d["modes"]["stream"]
+    assert d["steps"] == 1 and stream["samples"] == 4 and stream["rl_wall_s"] > 0, stream
+
+
+def tiny_quickstart(root: Path) -> list[str]:
+    """Overrides that make recipes/quickstart.yaml a 1-step run of 2 groups of 2 on the tiny model, with a
+    1-step SFT and 2 evaluation prompts, on a model and task built in `root` (not in the checkout's runs/)."""
+    init_model_dir(root / "model", "tiny", 0)
+    data = write_task(root / "data", seed=0, n_train=64, n_eval=2, n_sft=16)
+    return [f"model.path={root / 'model'}", f"data.path={data['train']}", f"data.eval_path={data['eval']}",
+            f"sft.path={data['sft']}", "sft.steps=1", "sft.batch_size=4", "data.eval_size=2", "data.eval_samples=1",
+            "rollout.groups_per_step=2", "rollout.n_samples=2"]
+
+
+def _learner_parallel(d: dict[str, Any]) -> None:
+    one = d["parallel"]["tiny"]["1"]
+    assert one["world_size"] == 1 and one["state_bytes_per_rank_max"] > 0 and len(one["step_s_by_round"]) == 1
+
+
+TINY_BATCH = ("--presets", "tiny", "--warmup", "1", "--steps", "1", "--samples", "4", "--group-size", "2",
+              "--prompt-len", "8", "--response-len", "8")
+TINY_POOL = ("--response-tokens", "10,20", "--dir", "{tmp}")
+SMOKES: dict[str, Smoke] = {
+    "pool_throughput": Smoke(("pool_throughput.py", "--rows", "1000", "--single-groups", "2", "--claims", "2",
+                              "--rounds", "1", "--backlog-rows", "256", "--fresh-fragments", "1", *TINY_POOL),
+                             _pool_throughput, slow=False),
+    # The pool on a local S3 server (moto): Store's object-store side.
+    "pool_throughput_s3": Smoke(("pool_throughput.py", "--s3-local", "--rows", "1000", "--single-groups", "2",
+                                 "--claims", "2", "--rounds", "1", "--backlog-rows", "256", "--fresh-fragments", "1",
+                                 *TINY_POOL), _pool_throughput_s3),
+    # The form issue 45 is about: --scale hung when pool_scale.py passed append_phase a Path.
+    "pool_scale": Smoke(("pool_throughput.py", "--scale", "--sizes", "2000", "--rounds", "1", "--claims", "2",
+                         "--dir", "{tmp}", "--png", "{tmp}/scale.png"), _pool_scale, slow=False),
+    "pool_processes": Smoke(("pool_processes.py", "--producers", "1", "--groups", "2", "--runs", "1", *TINY_POOL),
+                            _pool_processes),
+    "producer_ingest": Smoke(("producer_ingest.py", "--seconds", "1", "--producers", "1", "--dir", "{tmp}"),
+                             _producer_ingest),
+    "simulate_cluster": Smoke(("simulate_cluster.py", "--quick", "--gpus", "8", "--steps", "2", "--out-dir", "{tmp}",
+                               "groups_per_step=8"), _simulate_cluster, covers=("clustersim",), slow=False),
+    "weight_group_probe": Smoke(("weight_group_probe.py", "gloo"), _weight_group_probe),
+    "engine_devices": Smoke(("engine_devices.py", "--presets", "tiny", "--max-new-tokens", "2", "--parity-requests",
+                             "2", "--rounds", "1"), _engine_devices),
+    "engine_throughput": Smoke(("engine_throughput.py", "--preset", "tiny", "--rounds", "1", "--seconds", "0.5",
+                                "--max-new-tokens", "4", "--group-n", "2", "--group-clients", "1",
+                                "--group-prompt-tokens", "8"), _engine_throughput),
+    "broadcast": Smoke(("broadcast.py", "--presets", "tiny", "--engines", "1", "--repeats", "1",
+                        "--memcopy-repeats", "1"), _broadcast),
+    "learner_step": Smoke(("learner_step.py", *TINY_BATCH), _learner_step),
+    # learner_parallel.py is each rank's process, started by learner_step.py --parallel.
+    "learner_parallel": Smoke(("learner_step.py", *TINY_BATCH, "--parallel", "1"), _learner_parallel),
+    # One mode of one step: a whole `streamrl run` (Ray, router, engine, learner actor), ~20 s.
+    "stream_vs_lockstep": Smoke(("stream_vs_lockstep.py", "--quickstart", "--steps", "1", "--modes", "stream",
+                                 "--no-pin"), _stream_vs_lockstep, env={"TMPDIR": "{short_tmp}"},
+                                prepare=tiny_quickstart),
+}
+# A whole `streamrl run` costs 20-45 s on this 2-core machine (stream_vs_lockstep's form above runs one);
+# these two would add one or two more (off_policy's loop over corrections is stream_vs_lockstep's;
+# background_eval starts `streamrl run` subprocesses): over the ~150 s the suite grants all smoke runs.
+# Their smoke forms run in this process instead: the argument parser on tiny flags and the reports
+# they build from a run directory (test_report_only_benchmarks below).
+REPORT_ONLY = ("off_policy", "background_eval")
+
+
+def benchmark_modules() -> dict[str, Path]:
+    return {f.stem: f for f in sorted(BENCH.glob("*.py")) if f.stem != "__init__"}
+
+
+def test_every_benchmark_has_a_smoke_form() -> None:
+    """Every benchmark module (the _helpers run inside them) has a smoke form, a script its own."""
+    covered = set(SMOKES) | set(REPORT_ONLY) | {m for s in SMOKES.values() for m in s.covers}
+    public = {m: f for m, f in benchmark_modules().items() if not m.startswith("_")}
+    missing = sorted(set(public) - covered)
+    assert not missing, f"benchmarks without a smoke form in tests/test_benchmarks.py: {missing}"
+    scripts = {m for m, f in public.items() if 'if __name__ == "__main__":' in f.read_text()}
+    assert scripts <= set(SMOKES) | set(REPORT_ONLY), "a script needs its own smoke form"
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if s.slow else [])
+                                  for n, s in SMOKES.items()])
+def test_smoke(name: str, tmp_path: Path) -> None:
+    smoke = SMOKES[name]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in smoke.argv]
+    argv += smoke.prepare(tmp_path) if smoke.prepare else []
+    short_tmp = tempfile.mkdtemp(prefix="smoke-", dir="/tmp")
+    try:
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TQDM_DISABLE": "1",
+               **{k: v.replace("{short_tmp}", short_tmp) for k, v in smoke.env.items()}}
+        run_smoke(name, smoke, argv, env, tmp_path)
+    finally:
+        shutil.rmtree(short_tmp, ignore_errors=True)
+
+
+def run_smoke(name: str, smoke: Smoke, argv: list[str], env: dict[str, str], tmp_path: Path) -> None:
+    # Its own process group, so a hang ends with everything in it; SIGTERM first: the benchmarks
+    # stop the engines they started (in their own sessions) on the way out.
+    proc = subprocess.Popen([sys.executable, str(BENCH / argv[0]), *argv[1:]], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=SMOKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"{name} did not finish in {SMOKE_TIMEOUT_S} s (a hang?):\n{err[-3000:]}")
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{err[-4000:]}"
+    smoke.check(json.loads(out))
+
+
+# ---------------------------------------------------------------- the two whose runs are too long
+
+
+def fake_run_dir(root: Path, steps: int = 3) -> tuple[Path, dict[str, Any]]:
+    """A run directory as `streamrl run` leaves it (rows pared down from a real quick-start run's), and
+    the summary run_async returns (also written as summary.json, as the CLI does)."""
+    run_dir = root / "run"
+    run_dir.mkdir(parents=True)
+    rows = [{"step": s, "policy_version": s + 1, "wait_s": 0.1, "train_s": 0.08, "push_s": 0.2, "pause_s": 0.2,
+             "finish_window_s": 0.0, "reward_mean": 0.25 * s, "staleness_mean": 0.5, "staleness_max": 1,
+             "dropped_stale": 0, "samples": 4, "gen_tokens_per_s": 46.0, "train_tokens_per_s": 409.0,
+             "grad_norm": 0.5, "clip_frac": 0.0, "is_weight_mean": 1.0, "is_masked_tokens": 0.0,
+             "is_capped_tokens": 0.0, "is_ratio_mean": 1.0, "nonfinite_skipped": 0, "interrupted_calls": 0,
+             "discarded_token_frac": 0.0} for s in range(steps)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [{"policy_version": 0, "step": 0, "wall_time_s": 0.0, "mode": "inline", "accuracy": 0.0,
+              "greedy_accuracy": 0.0, "eval_s": 0.2},
+             {"policy_version": 2, "step": 2, "wall_time_s": 0.5, "finished_wall_s": 0.9, "mode": "background",
+              "accuracy": 0.5, "greedy_accuracy": 0.5, "eval_s": 0.3},
+             {"policy_version": steps, "step": steps, "wall_time_s": 1.0, "mode": "inline", "accuracy": 0.5,
+              "greedy_accuracy": 1.0, "eval_s": 0.1}]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    summary = {"rl_s": 1.5, "policy_version": steps, "samples": 4 * steps, "samples_per_s": 8.0,
+               "eval_before": {"accuracy": 0.0, "greedy_accuracy": 0.0},
+               "eval_after": {"accuracy": 0.5, "greedy_accuracy": 1.0}, "reward_first": 0.0,
+               "reward_last": 0.5, "staleness_max": 1, "engine_restarts": 0}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir, summary
+
+
+@pytest.mark.parametrize("name", REPORT_ONLY)
+def test_report_only_benchmarks(name: str, tmp_path: Path) -> None:
+    run_dir, summary = fake_run_dir(tmp_path)
+    if name == "off_policy":
+        # Its per-run report is stream_vs_lockstep's (run for real above) plus the correction's metrics.
+        a = off_policy.parse_args(["--quick", "--corrections", "tis,icepop"])
+        assert a.names == ["tis", "icepop"]
+        with pytest.raises(SystemExit):
+            off_policy.parse_args(["--corrections", "nope"])
+        runs = [{"off_policy": n, "seed": 0, **off_policy.run_report(summary, run_dir)} for n in a.names]
+        assert runs[0]["reward_by_version"] == [[1, 0.0], [2, 0.25], [3, 0.5]]
+        rep = {"recipe": a.recipe, "max_staleness": a.max_staleness, "steps": 3, "default": "tis", "runs": runs,
+               "options": {n: off_policy.option_summary([r for r in runs if r["off_policy"] == n]) for n in a.names}}
+        assert rep["options"]["tis"]["accuracy_gain_median"] == 0.5
+        off_policy.plot(rep, tmp_path / "off_policy.png")
+        assert (tmp_path / "off_policy.png").stat().st_size > 0
+    else:
+        a = background_eval.parse_args(["--steps", "2", "--configs", "none,background"])
+        assert a.config_names == ["none", "background"]
+        with pytest.raises(SystemExit):
+            background_eval.parse_args(["--configs", "nope"])
+        rep = background_eval.report(run_dir, process_s=3.0)
+        assert rep["steps"] == 3 and rep["periodic_evals"] == 1 and rep["eval_modes"] == ["background"]
+        assert rep["eval_lag_s_mean"] == pytest.approx(0.4)
+    json.dumps(rep)  # what the script prints
+
+
+# ---------------------------------------------------------------- no import circle
+
+
+def _bench_deps(path: Path) -> set[str]:
+    """The benchmarks modules `path` imports (module-level and inside functions)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "benchmarks":
+                out |= {a.name for a in node.names}
+            elif node.module.startswith("benchmarks."):
+                out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_benchmarks_have_no_import_circle() -> None:
+    graph = {m: _bench_deps(f) - {m} for m, f in benchmark_modules().items()}
+    assert graph["pool_throughput"] and graph["learner_step"]  # the parser sees their imports at all
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle in benchmarks/: " + " -> ".join(cycle or [])
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    # The shape issue 45 found (pool_scale <-> pool_throughput), as the check sees it.
+    assert find_cycle({"pool_scale": {"pool_throughput"}, "pool_throughput": {"pool_scale", "_pool"},
+                       "_pool": set()}) == ["pool_scale", "pool_throughput", "pool_scale"]
