@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 
+from streamrl.connectors.megatron import cpu_shim
+from streamrl.connectors.ports import tcp_store
+
+
 def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, port: int = 0,
                      listen_fd: int | None = None) -> None:
     """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
@@ -30,9 +34,6 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
     given no port, on one of its own; otherwise every rank connects to `port` (a store the
     starter serves: the learner group's driver)."""
     import torch.distributed as dist
-
-    from streamrl.connectors.megatron import cpu_shim
-    from streamrl.connectors.ports import tcp_store
 
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp * pp = {tp} * {pp}")

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from streamrl.connectors.megatron.optimizer import STATE_KEYS
+
 OPT_PREFIX = "optimizer.state"
 
 
@@ -104,8 +106,6 @@ def optimizer_common(opt: Any) -> dict[str, Any]:
     """What is the same on every rank: the common Adam `step` (None before the first), the
     state's tensor keys, and the param groups' hyper-parameters (without their parameters).
     Collective over DP with the distributed optimizer."""
-    from streamrl.connectors.megatron.optimizer import STATE_KEYS
-
     step = opt.step_count()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"step": step, "state_keys": list(STATE_KEYS) if step is not None else [], "param_groups": groups}
