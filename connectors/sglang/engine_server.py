@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 import msgspec
+import safetensors.torch
 import torch
 from aiohttp import web
 from transformers import AutoTokenizer
@@ -461,11 +462,9 @@ class EngineServer:
                                  f"load_format {TENSOR_FORMAT!r} with each entry a base64 safetensors blob")
 
         def parse() -> dict[str, torch.Tensor]:
-            from safetensors.torch import load
-
             state: dict[str, torch.Tensor] = {}
             for blob in req.serialized_named_tensors:
-                state.update(load(blob))
+                state.update(safetensors.torch.load(blob))
             return state
 
         try:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from streamrl.runtime import loop
@@ -32,7 +33,6 @@ def _fmt(v: Any) -> str:
 
 
 async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: bool = False) -> dict[str, Any]:
-    from ray.exceptions import RayActorError
     svc = Services(r, run_dir, progress, resume=resume)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "mode": r.run.mode, "steps": r.run.steps}
     events, main = asyncio.get_running_loop(), asyncio.current_task()
