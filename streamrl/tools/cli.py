@@ -329,7 +329,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "
                              f"`streamrl model init {args.model}`")
         serve_embedded(model_dir=args.model, host=args.host, port=args.port, max_running=args.max_running,
-              weight_version=args.weight_version, seed=args.seed, threads=args.threads, weights_root=args.weights_root)
+                       weight_version=args.weight_version, seed=args.seed, threads=args.threads,
+                       weights_root=args.weights_root)
         return 0
     if args.cmd == "produce":
         try:
