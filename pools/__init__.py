@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from streamrl.pools.errors import NoPool, PoolError
 
 # Lance logs expected events (a new table, a compaction that lost a race and is retried) as WARN.
 # LanceDB 0.40 embeds an older Lance that warns, when it opens a table, about every scalar index
@@ -12,24 +17,24 @@ os.environ.setdefault("RUST_LOG", "error")
 os.environ.setdefault("LANCE_LOG", "error")
 os.environ.setdefault("LANCEDB_LOG", "error")
 
-
-from typing import TYPE_CHECKING, Any
-
-from streamrl.pools.errors import NoPool, PoolError
-
 if TYPE_CHECKING:
     from streamrl.pools.lance_pool import LancePool
 
 __all__ = ["LancePool", "NoPool", "PoolError", "open_pool", "resolve_pool", "resolve_pool_uri"]
 
 
-def __getattr__(name: str) -> Any:
-    # lancedb is imported on first use, not by `import pools`: the `streamrl` driver never opens
-    # a pool, and a process that loaded lancedb warns on every subprocess it forks (router, engines).
-    if name == "LancePool":
-        from streamrl.pools.lance_pool import LancePool
+def _lance_pool() -> type[LancePool]:
+    # The one edge to lancedb: it loads on first use, not by `import streamrl.pools`, because the
+    # `streamrl run` driver never opens a pool and a process that loaded lancedb warns on every
+    # subprocess it forks (router, engines). Its other modules take a pool, never open one.
+    from streamrl.pools.lance_pool import LancePool
 
-        return LancePool
+    return LancePool
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LancePool":  # `from streamrl.pools import LancePool` (see _lance_pool)
+        return _lance_pool()
     raise AttributeError(f"module 'pools' has no attribute {name!r}")
 
 
@@ -51,8 +56,6 @@ def resolve_pool(run_dir_or_uri: str) -> tuple[str, dict[str, str]]:
 
 
 def _recorded_pool(recipe_file: Path) -> tuple[str, dict[str, str]] | None:
-    import yaml
-
     try:
         data = yaml.safe_load(recipe_file.read_text())
     except (OSError, yaml.YAMLError):
@@ -73,12 +76,9 @@ def open_pool(run_dir_or_uri: str | os.PathLike[str], *, create: bool = False, c
     (resolve_pool). `config`: a recipe's `pool` section, whose storage options and commit sizes
     apply; `kwargs` are LancePool's (they win), e.g. compact_every=0 for a process that only
     appends, or write_ahead=config.write_ahead for a producer."""
-    # lancedb loads here, on first use (see __getattr__ above).
-    from streamrl.pools.lance_pool import LancePool
-
     uri, options = resolve_pool(str(run_dir_or_uri))
     if config is not None:
         options = {**options, **config.storage_options}
         kwargs = {"commit_max_rows": config.commit_max_rows, "commit_linger_ms": config.commit_linger_ms, **kwargs}
     options = {**options, **kwargs.pop("storage_options", {})}
-    return LancePool(uri, create=create, storage_options=options, **kwargs)
+    return _lance_pool()(uri, create=create, storage_options=options, **kwargs)

@@ -25,16 +25,20 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
-from streamrl.pools.lance_pool import LancePool
+from streamrl.pools.queries import load_decoder
 from streamrl.pools.reads import ROW_ID, Snapshot
 from streamrl.pools.schema import POOL_SCHEMA, SPAN_TYPE
+
+if TYPE_CHECKING:
+    from streamrl.pools.lance_pool import LancePool  # the pool is passed in: opening one is pools.open_pool's
 
 KINDS = ("samples", "best", "dpo", "raw")
 FORMATS = ("parquet", "jsonl", "hf")
@@ -264,10 +268,6 @@ def export(pool: LancePool, out: str, *, where: str | None = None, kind: str = "
            tokenizer: str | None = None, progress: bool = True, batch_rows: int = 1024) -> dict[str, Any]:
     """Write the rows `where` selects (SQL over the pool's columns, claims applied) as `kind` rows
     in `fmt` (default from `out`'s suffix) and return a summary."""
-    from tqdm import tqdm
-
-    from streamrl.pools.queries import load_decoder
-
     if kind not in KINDS:
         raise ExportError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
     fmt = fmt or guess_format(out)

@@ -44,14 +44,16 @@ from streamrl.pools.committer import Committer, Item, retry_conflicts
 from streamrl.pools.reads import quote
 from streamrl.pools.schema import (
     ADMISSIONS_SCHEMA,
+    ADMISSIONS_TABLE,
     CLAIMS_SCHEMA,
+    CLAIMS_TABLE,
     POOL_SCHEMA,
+    POOL_TABLE,
     admissions_to_table,
     groups_to_table,
     table_to_groups,
 )
 
-POOL_TABLE, ADMISSIONS_TABLE, CLAIMS_TABLE = "pool", "admissions", "claims"
 SCHEMAS = {POOL_TABLE: POOL_SCHEMA, ADMISSIONS_TABLE: ADMISSIONS_SCHEMA, CLAIMS_TABLE: CLAIMS_SCHEMA}
 WAL_DIR = "_wal"  # this pool's write-ahead logs (pools/wal.py)
 RECOVER_EVERY_S = 2.0  # how often the learner's claims look for logs of writers that stopped

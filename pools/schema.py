@@ -122,6 +122,8 @@ CLAIMS_SCHEMA = pa.schema(
     ]
 )
 
+POOL_TABLE, ADMISSIONS_TABLE, CLAIMS_TABLE = "pool", "admissions", "claims"  # a pool's Lance tables
+
 # Columns that are small enough to scan for bookkeeping (claims, ledger, stats).
 META_COLUMNS = [f.name for f in POOL_SCHEMA if not pa.types.is_list(f.type)]
 

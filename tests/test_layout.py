@@ -156,3 +156,33 @@ def test_reading_a_recipe_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_own_modules_are_imported_at_the_top() -> None:
+    """A StreamRL module imported inside a function is a dependency no reader or tool sees (issue
+    45). The few left say why on the line above: each keeps a heavy library (lancedb, torch, Ray)
+    out of the processes and commands that never use it."""
+    inside = []
+    for mod, f in sorted(MODS.items()):
+        class Visit(ast.NodeVisitor):
+            depth = 0
+
+            def visit_FunctionDef(self, node: ast.AST) -> None:
+                self.depth += 1
+                self.generic_visit(node)
+                self.depth -= 1
+
+            visit_AsyncFunctionDef = visit_FunctionDef
+
+            def visit_Import(self, node: ast.Import) -> None:
+                if self.depth:
+                    inside.extend(f"{f.relative_to(REPO)}:{node.lineno} {a.name}" for a in node.names
+                                  if a.name.split(".")[0] == "streamrl")
+
+            def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+                if self.depth and (node.level or (node.module or "").split(".")[0] == "streamrl"):
+                    inside.append(f"{f.relative_to(REPO)}:{node.lineno} {'.' * node.level}{node.module or ''}")
+
+        Visit().visit(ast.parse(f.read_text()))
+    assert len(inside) < 10, f"{len(inside)} StreamRL imports inside functions (fewer than 10 allowed; move them " \
+                             "to the top of the file, or say on the line above why one cannot be):\n" + "\n".join(inside)

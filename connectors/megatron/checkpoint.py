@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from streamrl.connectors.megatron import sharded as ms
 
@@ -308,8 +309,6 @@ def _on_rank0(fn: Callable[[], T]) -> T:
         except BaseException as e:
             err = e
     if world > 1:
-        import torch.distributed as dist
-
         box = [(res, None if err is None else f"{type(err).__name__}: {err}")]
         dist.broadcast_object_list(box, src=0)
         res, msg = box[0]
@@ -334,8 +333,6 @@ def _on_every_rank(fn: Callable[[int, int], T], gather: bool = False) -> Any:
         if err is not None:
             raise err
         return [res] if gather else res
-    import torch.distributed as dist
-
     every: list[Any] = [None] * world
     dist.all_gather_object(every, (res if gather else None, None if err is None else f"{type(err).__name__}: {err}"))
     failed = [(r, m) for r, (_, m) in enumerate(every) if m is not None]
@@ -361,8 +358,6 @@ def _hash_share(d: Path, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _require_process_group() -> None:
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("sharded learner checkpoints need torch.distributed (init_single_process() "
                            "for one process, init_distributed() for each rank)")

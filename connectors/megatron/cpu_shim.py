@@ -33,6 +33,7 @@ optimizer included; connectors/megatron/optimizer.py) add:
 from __future__ import annotations
 
 import types
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -100,8 +101,6 @@ def _causal_mask_cpu(sq: int) -> torch.Tensor:
 
 
 def check_version() -> str:
-    from importlib.metadata import version
-
     v = version("megatron-core")
     if not v.startswith(PINNED + "."):
         raise RuntimeError(f"connectors/megatron/cpu_shim.py was written for megatron-core {PINNED}.x, found {v}: "

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -130,8 +131,6 @@ class Optimizer:
     def param_states(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
         """{model parameter: {exp_avg, exp_avg_sq}} in the parameter's shape (collective over DP
         with the distributed optimizer); empty before the first step."""
-        import torch.distributed as dist
-
         if self.step_count() is None:
             return {}
         out = {}
@@ -171,8 +170,6 @@ class Optimizer:
         step = self._local_step()
         if not self.distributed:
             return step
-        import torch.distributed as dist
-
         t = torch.tensor([-1.0 if step is None else step], dtype=torch.float64, device=self.params[0].device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
         return None if float(t) < 0 else float(t)

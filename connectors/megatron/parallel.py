@@ -20,6 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from streamrl.connectors.megatron import cpu_shim
+from streamrl.connectors.ports import tcp_store
+
 
 def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, port: int = 0,
                      listen_fd: int | None = None) -> None:
@@ -29,11 +35,6 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
     it on a socket it inherited (`listen_fd`, bound to `port` by whoever started the ranks) or,
     given no port, on one of its own; otherwise every rank connects to `port` (a store the
     starter serves: the learner group's driver)."""
-    import torch.distributed as dist
-
-    from streamrl.connectors.megatron import cpu_shim
-    from streamrl.connectors.ports import tcp_store
-
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp * pp = {tp} * {pp}")
     cpu_shim.apply()
@@ -59,8 +60,6 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
 class _GatherVocab(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
         ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
         parts = [torch.empty_like(shard) for _ in range(ctx.size)]
         dist.all_gather(parts, shard.contiguous(), group=group)
@@ -78,7 +77,6 @@ class Parallel:
     collectives the learner needs. Every method is collective over the group it names."""
 
     def __init__(self) -> None:
-        import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
         self.tp, self.tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
@@ -131,9 +129,6 @@ class Parallel:
         tensors of the same shapes and dtype, e.g. zeros): one flat broadcast."""
         if self.pp == 1 or not tensors:
             return list(tensors)
-        import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         flat = _flatten_dense_tensors([t.contiguous() for t in tensors])
         dist.broadcast(flat, src=self.last_rank, group=self.pp_group)
         return list(_unflatten_dense_tensors(flat, list(tensors)))
@@ -156,8 +151,6 @@ class Parallel:
     def _dp_reduce(self, x: float, op: str) -> float:
         if self.dp == 1:
             return x
-        import torch.distributed as dist
-
         t = torch.tensor([x], dtype=torch.float64, device=self._device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.dp_group)
         return float(t)

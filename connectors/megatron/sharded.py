@@ -30,21 +30,27 @@ connectors/megatron/checkpoint.py, which owns the directory protocol around it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import enum
 import io
 import pickle
+import random
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from streamrl.connectors.megatron.optimizer import STATE_KEYS
 
 OPT_PREFIX = "optimizer.state"
 
 
 def layout() -> dict[str, int]:
     """This process's place: world size, rank, and the tensor/pipeline/data-parallel sizes."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return {"world": 1, "rank": 0, "tp": 1, "pp": 1, "dp": 1}
     out = {"world": dist.get_world_size(), "rank": dist.get_rank(), "tp": 1, "pp": 1, "dp": dist.get_world_size()}
@@ -104,8 +110,6 @@ def optimizer_common(opt: Any) -> dict[str, Any]:
     """What is the same on every rank: the common Adam `step` (None before the first), the
     state's tensor keys, and the param groups' hyper-parameters (without their parameters).
     Collective over DP with the distributed optimizer."""
-    from streamrl.connectors.megatron.optimizer import STATE_KEYS
-
     step = opt.step_count()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"step": step, "state_keys": list(STATE_KEYS) if step is not None else [], "param_groups": groups}
@@ -137,13 +141,12 @@ def optimizer_sharded(opt: Any, model_sd: dict[str, Any], common: dict[str, Any]
 def detach_template(sd: dict[str, Any]) -> dict[str, Any]:
     """The same sharded state dict with fresh tensors in place of the model's parameters, so
     loading reads into them and leaves the model alone until everything is read."""
-    from dataclasses import replace
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     for parent, k, v in _walk(sd):
         if isinstance(v, (ShardedTensor, ShardedTensorFactory)):
-            parent[k] = replace(v, data=torch.empty_like(v.data))
+            parent[k] = dataclasses.replace(v, data=torch.empty_like(v.data))
     return sd
 
 
@@ -184,9 +187,6 @@ class _MetadataUnpickler(pickle.Unpickler):
     formats, and nothing that could run code (the restricted `find_class` of Python's pickle docs)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        import dataclasses
-        import enum
-
         if module == "torch" and (isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                           torch.memory_format))):
             return getattr(torch, name)
@@ -218,9 +218,6 @@ def check_dcp_metadata(path: Path) -> None:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNGs: python, numpy, torch CPU (+ CUDA and megatron's tracker on GPU)."""
-    import contextlib
-    import random
-
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
@@ -243,9 +240,6 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any], process_only: bool = False) -> None:
     """Restore `rng_state()`; `process_only`: the python / numpy / torch CPU generators alone
     (another rank's state, when the layout changed: device and model-parallel RNGs do not map)."""
-    import random
-    import warnings
-
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:

@@ -33,6 +33,7 @@ Long file: the scheduler, its batch cache and the sampling rules are one state m
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 import threading
 from collections import deque
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Cache
 from transformers.cache_utils import DynamicLayer
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -90,8 +93,6 @@ class EngineCore:
     def __init__(self, model_dir: str | Path, max_running: int = 64, max_context: int | None = None,
                  weight_version: str = "0", seed: int = 0,
                  decode: Callable[[list[int]], str] | None = None, device: str | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.model_dir = str(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
@@ -138,8 +139,6 @@ class EngineCore:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps and return its result (blocking)."""
-        import concurrent.futures as cf
-
         fut: cf.Future[Any] = cf.Future()
         with self._cond:
             self._control.append((fn, fut))
@@ -208,8 +207,6 @@ class EngineCore:
             self.weight_version = version
 
     def load_from_disk(self, model_path: str, version: str | None) -> None:
-        from safetensors.torch import load_file
-
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {model_path}")
@@ -341,8 +338,6 @@ class EngineCore:
 
     @torch.inference_mode()
     def _decode(self) -> None:
-        from transformers import Cache
-
         if len(self._running) != len(self._batch) or any(a is not b for a, b in zip(self._running, self._batch)) \
                 or any(r.kv is not IN_BATCH for r in self._running):
             self._rebatch()

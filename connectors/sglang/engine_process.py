@@ -26,8 +26,8 @@ threading.Thread(target=_watchdog, name="parent-watchdog", daemon=True).start()
 _backend, _args = sys.argv[2], sys.argv[3:]
 if _backend == "embedded":
     import json
-    from streamrl.connectors.sglang.engine_server import serve
-    serve(**json.loads(_args[0]))
+    from streamrl.connectors.sglang.engine_process import serve_embedded
+    serve_embedded(**json.loads(_args[0]))
 else:
     import runpy
     sys.argv = ["sglang.launch_server", *_args]
@@ -60,3 +60,13 @@ def engine_command(backend: str, model_dir: str, port: int, *, host: str = "127.
         return [*head, "--model-path", str(model_dir), "--host", host, "--port", str(port),
                 "--weight-version", str(weight_version), "--tp-size", str(tp), *map(str, extra_args)]
     raise ValueError(f"no engine command for backend {backend!r}")
+
+
+def serve_embedded(**kwargs: Any) -> None:
+    """Serve the embedded engine in this process until interrupted (engine_server.serve's
+    arguments): the engine process above runs this, and so does `streamrl engine serve`."""
+    # The one edge to the embedded engine, which loads torch and transformers (~2 s): importing
+    # this module (the launcher, the CLI for every command) does not.
+    from streamrl.connectors.sglang.engine_server import serve
+
+    serve(**kwargs)

@@ -24,12 +24,16 @@ import uuid
 from typing import Any
 
 import msgspec
+import safetensors.torch
 import torch
 from aiohttp import web
+from transformers import AutoTokenizer
 
-from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys
+from streamrl.connectors.ports import listen_socket, port_of
+from streamrl.connectors.sglang import api
 from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
+from streamrl.connectors.sglang.weight_sync import join_group, receive
 
 _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refused, not ignored
     "stream": False, "lora_path": None, "custom_logit_processor": None, "return_hidden_states": False,
@@ -106,8 +110,6 @@ async def _decode(request: web.Request, typ: type) -> Any:
 class EngineServer:
     def __init__(self, model_dir: str, max_running: int = 64, weight_version: str = "0", seed: int = 0,
                  keys: Keys | None = None, weights_root: str | None = None, tp: int = 1) -> None:
-        from transformers import AutoTokenizer
-
         if type(tp) is not int or tp < 1:
             raise ValueError(f"tp must be an int >= 1, got {tp!r}")
         self.tp = tp  # the TP ranks this one process stands for in the weight group (it does not shard)
@@ -396,8 +398,6 @@ class EngineServer:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         req: api.InitGroupReq = await _decode(request, api.InitGroupReq)
-        from streamrl.connectors.sglang.weight_sync import join_group
-
         loop = asyncio.get_running_loop()
         # SGLang joins each TP rank as rank_offset + tp_rank (streamrl/core/weight_group.py); this
         # process joins every rank it stands for, each of which receives the full tensors as there.
@@ -441,8 +441,6 @@ class EngineServer:
             raise HTTPError(400, "call /init_weights_update_group first")
         if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
             raise HTTPError(400, "names, dtypes and shapes must have the same length")
-        from streamrl.connectors.sglang.weight_sync import receive
-
         # Receive outside the engine thread (generation goes on), then swap between steps.
         loop = asyncio.get_running_loop()
         try:  # every TP rank takes part in each broadcast; rank_offset + 0's copy is loaded
@@ -464,11 +462,9 @@ class EngineServer:
                                  f"load_format {TENSOR_FORMAT!r} with each entry a base64 safetensors blob")
 
         def parse() -> dict[str, torch.Tensor]:
-            from safetensors.torch import load
-
             state: dict[str, torch.Tensor] = {}
             for blob in req.serialized_named_tensors:
-                state.update(load(blob))
+                state.update(safetensors.torch.load(blob))
             return state
 
         try:
@@ -541,8 +537,6 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_runnin
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
     server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed,
                           keys=Keys.from_env(), weights_root=weights_root, tp=tp)
-    from streamrl.connectors.ports import listen_socket, port_of
-
     sock = socket.socket(fileno=sock_fd) if sock_fd is not None else listen_socket(host, port)
     if not port:
         print(f"embedded engine serving on http://{host}:{port_of(sock)}", flush=True)

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.sglang.engine_actor import BACKENDS, EngineActor
 from streamrl.connectors.ports import LOOPBACK, listen_socket, port_of
@@ -175,8 +177,6 @@ class EngineLauncher:
                                f"the Ray cluster has {have:g}; on CPU use backend='embedded'")
         opts = {"num_cpus": self.num_cpus, "num_gpus": num_gpus, **self.actor_options}
         if self.placement_group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group, placement_group_bundle_index=index)
         return EngineActor.options(**opts).remote(

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from streamrl.connectors.ports import tcp_store
+
 BUCKET_FORMAT = "flattened_bucket"
 BUCKET_BYTES = 512 * 1024**2  # an engine holds one bucket next to its weights while receiving
 
@@ -50,8 +52,6 @@ def _group(store: Any, rank: int, world_size: int, group_name: str, backend: str
 def open_store(world_size: int, host: str = "127.0.0.1", timeout_s: float = 60) -> Any:
     """Trainer side, first: the group's TCPStore on `host`, on a port the kernel chose
     (`store.port`, which the engines are told); connectors/ports.py."""
-    from streamrl.connectors.ports import tcp_store
-
     return tcp_store(world_size, host=host, timeout_s=timeout_s)
 
 
@@ -64,8 +64,6 @@ def create_group(store: Any, world_size: int, group_name: str = "weight_update_g
 def join_group(master_address: str, master_port: int, rank_offset: int, world_size: int,
                group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = 60) -> Any:
     """Engine side: join as rank `rank_offset` (blocks until every rank has joined)."""
-    from streamrl.connectors.ports import tcp_store
-
     store = tcp_store(world_size, rank=rank_offset, host=master_address, port=master_port, timeout_s=timeout_s)
     return _group(store, rank_offset, world_size, group_name, backend, timeout_s)
 

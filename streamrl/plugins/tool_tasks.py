@@ -29,6 +29,7 @@ from typing import Any
 
 from streamrl.core.chat import format_tool_call
 from streamrl.plugins.tasks import _write_jsonl, teacher_response, write_task
+from streamrl.recipes.agents.tool_agent import TOOLS, call_tool
 
 
 def write_tool_task(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_eval: int = 128, n_sft: int = 4000,
@@ -37,8 +38,6 @@ def write_tool_task(out_dir: str | Path, seed: int = 0, n_train: int = 2000, n_e
     """train.jsonl and eval.jsonl as `write_task(chat=True)` writes them (one user message per
     problem, the exact answer as label) and sft.jsonl with tool-use rows
     ({"id", "prompt": messages, "tools", "response"}). Deterministic for a seed; returns the paths."""
-    from streamrl.recipes.agents.tool_agent import TOOLS, call_tool
-
     paths = write_task(out_dir, seed, n_train, n_eval, n_sft, chat=True, a_max=a_max, b_max=b_max, ops=ops)
     problems = [json.loads(line)["prompt"][-1]["content"] for line in paths["sft"].read_text().splitlines()]
     rng = random.Random(f"tool-teacher-{seed}")

@@ -29,6 +29,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from streamrl.core import staleness
+from streamrl.core.staleness import capacity_shares, claimed_per_step
 from streamrl.core.types import from_json, from_msgpack
 from streamrl.pools import open_pool
 from streamrl.pools.reads import quote
@@ -115,8 +117,6 @@ class VersionTail:
 
 class ProducerService:
     def __init__(self, run_dir: Path, recipe: Recipe, quiet: bool = False) -> None:
-        from streamrl.core.staleness import capacity_shares, claimed_per_step
-
         self.dir, self.r, self.quiet, api = run_dir, recipe, quiet, recipe.producer_api
         self.token = read_token(run_dir).encode()
         self.vocab_size, self.max_tokens = model_limits(recipe)
@@ -268,8 +268,6 @@ class ProducerService:
                                   "version": lease.version, "slots": lease.slots, "expires_at_s": lease.expires_at})
 
     def _full_reason(self, now: float) -> str:
-        from streamrl.core import staleness
-
         total = staleness.admission_capacity(self.version, self.max_staleness, self.per_step)
         share = staleness.capacity_share(total, self.share_index, self.shares)
         return (f"staleness bound: learner at version {self.version} allows {share} started external groups "

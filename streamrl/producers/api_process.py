@@ -20,8 +20,9 @@ from pathlib import Path
 from aiohttp import web
 
 from streamrl.connectors.ports import listen_socket
+from streamrl.connectors.sglang.router import _die_with_parent
 from streamrl.producers.api_app import INFO_FILE, LOCK_FILE, TOKEN_FILE, ProducerService, ServiceError
-from streamrl.recipe import load_recipe
+from streamrl.recipe import RecipeError, load_recipe
 
 
 def _lock(run_dir: Path) -> int:
@@ -43,8 +44,6 @@ def _lock(run_dir: Path) -> int:
 
 def open_service(run_dir: str | Path, quiet: bool = False) -> ProducerService:
     """Check the run directory and recipe, then open the pool (ServiceError says what is wrong)."""
-    from streamrl.recipe import RecipeError
-
     d = Path(run_dir)
     if not (d / "recipe.yaml").is_file():
         raise ServiceError(f"{d} has no recipe.yaml: pass the directory of a run (`streamrl run` writes it)")
@@ -115,8 +114,6 @@ def start_service_process(run_dir: str | Path, cwd: str | Path, log_path: str | 
                           timeout_s: float = 60, host: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start `python -m streamrl produce serve RUN_DIR --quiet` in `cwd` (the run's working directory:
     recipe paths are relative to it), dying with its parent; return it and its URL once /health answers."""
-    from streamrl.connectors.sglang.router import _die_with_parent
-
     cwd, log_path = Path(cwd), Path(log_path)
     rd = Path(run_dir) if Path(run_dir).is_absolute() else cwd / run_dir
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ from streamrl.connectors.sglang.client import ENGINE_FAILURES, retryable
 from streamrl.core import chat, partial
 from streamrl.core.types import Sample, VersionSpan
 from streamrl.producers.chat_template import ConversationError, chat_delta
+from streamrl.recipe import resolve_fn
 
 
 class EpisodeError(Exception):
@@ -335,8 +336,6 @@ class EnvHub:
     """Calls the recipe's environment function for one sample; never raises for what it does."""
 
     def __init__(self, fn: str, args: dict[str, Any] | None = None, timeout_s: float = 600) -> None:
-        from streamrl.recipe import resolve_fn
-
         try:
             self.fn = resolve_fn(fn)
         except ValueError as e:

@@ -36,9 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from streamrl.connectors.auth import Keys
+from streamrl.connectors.sglang.client import SGLangClient
+from streamrl.connectors.sglang.launcher import EngineLauncher
 from streamrl.plugins.data import PromptRecord
 from streamrl.recipe import Recipe
+from streamrl.runtime.evaluate import evaluate
 from streamrl.runtime.runlog import RunLog
 
 
@@ -81,9 +86,6 @@ class BackgroundEval:
 
     async def start(self) -> None:
         """Start the eval engine (a Ray actor, not registered with any router) and wait until it is healthy."""
-        from streamrl.connectors.sglang.launcher import EngineLauncher
-        from streamrl.connectors.sglang.client import SGLangClient
-
         # The launcher's actor recipe (GPUs for SGLang, a clear error when the cluster has none),
         # but no CPU reserved: the run's Ray cluster is sized for the rollout engines.
         spec = EngineLauncher(self.model_dir, 1, None, self.backend, self.log_dir / "eval",  # type: ignore[arg-type]
@@ -132,8 +134,6 @@ class BackgroundEval:
 
     async def stop(self) -> None:
         """Cancel what is running or waiting, stop the engine and kill its actor. Safe to repeat."""
-        import ray
-
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -165,8 +165,6 @@ class BackgroundEval:
             await self._run(self._pending.popleft())
 
     async def _run(self, job: _Job) -> None:
-        from streamrl.runtime.evaluate import evaluate
-
         v, path = job.version, None
         try:
             path = job.weights if isinstance(job.weights, str) else str(await asyncio.shield(job.weights))

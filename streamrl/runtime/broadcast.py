@@ -33,7 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.connectors.sglang.router import Router
+from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, plan_buckets
 from streamrl.core.types import EnginePaused, EngineResumed, VersionPublished
 from streamrl.core.weight_group import weight_group
 from streamrl.runtime import faultpoint
@@ -46,8 +50,6 @@ class _UseDisk(Exception):
 
 def _default_backend() -> str:
     """NCCL between GPUs (SGLang's default for /init_weights_update_group), gloo on CPU."""
-    import torch
-
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -84,8 +86,6 @@ class VersionBroadcaster:
             self._meta = await self.learner.weights_meta.remote()
 
     async def _push_distributed(self, version: int, flush: bool) -> None:
-        from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, plan_buckets
-
         await self._ensure_group()
         names, dtypes, shapes = self._meta
         # One request per bucket, in the order the learner broadcasts them; the version is set
@@ -176,8 +176,6 @@ class VersionBroadcaster:
 
     async def on_engine_restart(self, index: int, url: str) -> None:
         """A restarted engine loads the current version from disk before it takes traffic."""
-        from streamrl.connectors.sglang.client import SGLangClient
-
         path = str(self.weights_dir / f"v{self.version:06d}")
         if not Path(path, "config.json").exists():
             await self.learner.export.remote(path)

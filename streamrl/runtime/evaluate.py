@@ -16,6 +16,8 @@ from typing import Any
 from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.plugins.data import PromptRecord
 from streamrl.plugins.rewards import RewardHub
+from streamrl.producers import episode as agent
+from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import Recipe
 from streamrl.runtime.rollout import decode_response, encode_prompt
 
@@ -64,9 +66,6 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
     """With a recipe `env`, the task is the environment's: each held-out prompt runs `k` sampled
     episodes and a greedy one (agents reach them through an OpenAI proxy, as in training); the
     accuracy is their mean reward (a failed episode scores 0)."""
-    from streamrl.producers import episode as agent
-    from streamrl.producers.openai_proxy import OpenAIProxy
-
     ro, k, env = recipe.rollout, recipe.data.eval_samples, agent.EnvHub(recipe.env.fn, recipe.env.args)
     max_context = agent.context_length(recipe.model.path)
     sampled = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}

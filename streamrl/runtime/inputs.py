@@ -6,20 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from streamrl.recipe import Recipe
+from streamrl.connectors.megatron.model_kit import init_model_dir
+from streamrl.plugins.data import DataError, PromptSource
+from streamrl.recipe import Recipe, resolve_fn
 from streamrl.runtime import RunFailed
+from streamrl.runtime.rollout import encode_prompt
 from streamrl.runtime.runlog import RunLog
 
 
 def prepare_inputs(r: Recipe, log: RunLog) -> None:
     """Build what the recipe says to build when missing: the tiny model, the task data."""
     if r.model.init is not None and not (Path(r.model.path) / "config.json").exists():
-        from streamrl.connectors.megatron.model_kit import init_model_dir
-
         init_model_dir(r.model.path, r.model.init.preset, r.model.init.seed)
     if r.data.generate is not None and not Path(r.data.path).exists():
-        from streamrl.recipe import resolve_fn
-
         resolve_fn(r.data.generate.fn)(out_dir=str(Path(r.data.path).parent), **r.data.generate.args)
     for what, path in (("model.path", Path(r.model.path) / "config.json"), ("data.path", Path(r.data.path)),
                        ("data.eval_path", Path(r.data.eval_path) if r.data.eval_path else None),
@@ -27,9 +26,8 @@ def prepare_inputs(r: Recipe, log: RunLog) -> None:
         if path is not None and not path.exists():
             hint = " (add model.init to build a tiny model, or `streamrl model init DIR`)" if what == "model.path" else ""
             raise RunFailed(f"{what}: {path} does not exist{hint}")
-    # Read every dataset once now, so a malformed row stops the run before anything starts.
-    from streamrl.plugins.data import DataError, PromptSource
 
+    # Read every dataset once now, so a malformed row stops the run before anything starts.
     d = r.data
     checks = [(d.path, d.prompt_key, d.label_key)]
     if d.eval_path:
@@ -48,9 +46,6 @@ def prepare_inputs(r: Recipe, log: RunLog) -> None:
 def sft_rows(r: Recipe, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids + eos) for the SFT warm-start; prompts encoded as rollouts encode them,
     with the row's `tools` (OpenAI's fine-tuning format) when it has them."""
-    from streamrl.plugins.data import PromptSource
-    from streamrl.runtime.rollout import encode_prompt
-
     s = r.sft
     assert s is not None
     src = PromptSource(s.path, s.prompt_key, s.response_key, shuffle=False, on_error=r.data.on_error)
@@ -63,8 +58,6 @@ def sft_rows(r: Recipe, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
 
 def eval_records(r: Recipe) -> list[Any]:
     """The held-out prompts evaluations use (data.eval_path, the first data.eval_size)."""
-    from streamrl.plugins.data import PromptSource
-
     d = r.data
     if not d.eval_path:
         return []

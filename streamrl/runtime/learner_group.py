@@ -20,10 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 from typing import Any
 
+import msgspec
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from streamrl.connectors.ports import tcp_store
+from streamrl.connectors.sglang.launcher import ensure_ray
 from streamrl.recipe import Recipe, learner_layout
+from streamrl.runtime import placement
 from streamrl.runtime.learner import LearnerDriver, quiet_megatron
 
 COLLECTIVE = frozenset({"train_step", "retrain", "sft", "restore", "checkpoint"})
@@ -32,8 +40,6 @@ EVERY_RANK = frozenset({"close"})  # on all ranks, but no collective inside: not
 
 class _Rank(LearnerDriver):
     def __init__(self, recipe_json: bytes, model_dir: str, tokenizer_dir: str, rank: int, store_port: int) -> None:
-        import msgspec
-
         quiet_megatron()
         self._turn = threading.Condition()
         self._next = 0
@@ -88,12 +94,6 @@ async def _await(ref: Any) -> Any:
 
 class LearnerGroup:
     def __init__(self, recipe: Recipe, model_dir: str, tokenizer_dir: str) -> None:
-        import msgspec
-        import ray
-
-        from streamrl.connectors.ports import tcp_store
-        from streamrl.runtime import placement
-
         tp, pp, dp = learner_layout(recipe)
         self.world = tp * pp * dp
         gpus = 1 if recipe.learner.num_gpus else 0
@@ -117,9 +117,6 @@ class LearnerGroup:
         return _Method(self, name)
 
     def kill(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         for r in self.ranks:
             ray.kill(r, no_restart=True)
         remove_placement_group(self.pg)
@@ -130,10 +127,6 @@ class SyncLearner:
     replay` of a run whose learner had several ranks: the same layout gives the same numbers)."""
 
     def __init__(self, recipe: Recipe, model_dir: str, tokenizer_dir: str) -> None:
-        import math
-
-        from streamrl.connectors.sglang.launcher import ensure_ray
-
         ensure_ray(num_cpus=math.prod(learner_layout(recipe)) + 1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         self._loop = asyncio.new_event_loop()
         self.group = LearnerGroup(recipe, model_dir, tokenizer_dir)
@@ -147,8 +140,6 @@ class SyncLearner:
         return call
 
     def close(self) -> None:
-        import ray
-
         try:
             self._loop.run_until_complete(_await(self.group.close.remote()))
         finally:

@@ -8,6 +8,10 @@ import asyncio
 import math
 from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from streamrl.core.capacity import GroupRequest, bundles, shortfall
 from streamrl.recipe import Recipe, learner_layout
 from streamrl.runtime import RunFailed
@@ -38,8 +42,6 @@ def plan(r: Recipe, engine_gpus: float, engine_cpus: float) -> dict[str, GroupRe
 
 def check(groups: dict[str, GroupRequest]) -> None:
     """RunFailed (exit 2) when the cluster's nodes cannot hold the run's placement groups."""
-    import ray
-
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     problem = shortfall(list(groups.values()), nodes)
     if problem:
@@ -48,8 +50,6 @@ def check(groups: dict[str, GroupRequest]) -> None:
 
 def group(req: GroupRequest) -> Any:
     """`req`'s placement group (None for no bundles)."""
-    from ray.util.placement_group import placement_group
-
     return placement_group(req.bundles, strategy=req.strategy) if req.bundles else None
 
 
@@ -65,8 +65,6 @@ async def ready(pg: Any, what: str) -> None:
 
 
 def _free() -> str:
-    import ray
-
     return ", ".join(f"{k} {v:g}" for k, v in sorted(ray.available_resources().items()) if not k.startswith("node:"))
 
 
@@ -74,7 +72,5 @@ def on(pg: Any, index: int) -> dict[str, Any]:
     """Actor options that put an actor in bundle `index` of `pg` ({} without a group)."""
     if pg is None:
         return {}
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                     placement_group_bundle_index=index)}

@@ -24,6 +24,8 @@ import logging
 from collections import Counter
 from typing import Any
 
+import msgspec
+
 from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.sglang.client import ENGINE_FAILURES, SGLangClient, retryable
@@ -34,6 +36,7 @@ from streamrl.pools import open_pool
 from streamrl.plugins.filters import FilterHub
 from streamrl.plugins.rewards import RewardHub
 from streamrl.producers import episode as agent
+from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import Recipe
 from streamrl.runtime.runlog import RunLog, now_ns
 
@@ -248,8 +251,6 @@ class RolloutWorker:
             return
         self._resumed = True
         if self.env is not None:
-            from streamrl.producers.openai_proxy import OpenAIProxy
-
             self.proxy = OpenAIProxy()
             await self.proxy.start()
         known = self.pool.producer_groups(self.producer_id)
@@ -418,8 +419,6 @@ class _ActorWorker:
 
     def __init__(self, recipe_json: bytes, router_url: str, index: int, num_workers: int, version: int,
                  data_state: dict | None, api_key: str | None = None) -> None:
-        import msgspec
-
         logging.basicConfig(level=logging.WARNING)
         self._args = (msgspec.json.decode(recipe_json, type=Recipe), router_url, index, num_workers, version,
                       data_state, api_key)

@@ -16,9 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+from ray.exceptions import RayActorError
+from tqdm import tqdm
+
 from streamrl.runtime import loop
 from streamrl.pools import RECORDED_RECIPE, NoPool, PoolError, open_pool
-from streamrl.recipe import Recipe
+from streamrl.recipe import Recipe, dump_recipe, load_recipe
 from streamrl.runtime import RunFailed, RunLost
 from streamrl.runtime.services import Services
 from streamrl.runtime.steps import Steps
@@ -29,9 +33,6 @@ def _fmt(v: Any) -> str:
 
 
 async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: bool = False) -> dict[str, Any]:
-    from ray.exceptions import RayActorError
-    from tqdm import tqdm
-
     svc = Services(r, run_dir, progress, resume=resume)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "mode": r.run.mode, "steps": r.run.steps}
     events, main = asyncio.get_running_loop(), asyncio.current_task()
@@ -109,8 +110,6 @@ FIXED_ON_RESUME = ("model", "sft", "data.path", "data.shuffle", "data.seed", "ro
 
 
 def _get(r: Recipe, dotted: str) -> Any:
-    import msgspec
-
     node: Any = msgspec.to_builtins(r)
     for part in dotted.split("."):
         node = node.get(part) if isinstance(node, dict) else None
@@ -177,14 +176,10 @@ def new_run_dir(r: Recipe, run_dir: str | Path | None = None, overwrite: bool = 
 
 def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """A new run (see `new_run_dir` for where; an existing run is never replaced silently)."""
-    import msgspec
-
     if r.pool.uri:
         _refuse_a_used_pool(r)
     d = new_run_dir(r, run_dir, overwrite)
     r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, dir=str(d)))
-    from streamrl.recipe import dump_recipe
-
     (d / RECIPE).write_text(dump_recipe(r))
     return _run(r, d, progress, resume=False)
 
@@ -208,8 +203,6 @@ def _refuse_a_used_pool(r: Recipe) -> None:
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
     """Continue a stopped or killed run from its last checkpoint (`streamrl run --resume DIR`)."""
-    from streamrl.recipe import dump_recipe, load_recipe
-
     d = Path(run_dir)
     if not (d / RECIPE).is_file():
         raise FileNotFoundError(f"{d} has no {RECIPE}: it is not a StreamRL run directory (or was made before "

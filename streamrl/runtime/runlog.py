@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from tqdm import tqdm
 
 from streamrl.core.types import Event
 
@@ -68,8 +69,6 @@ class RunLog:
     def info(self, msg: str) -> None:
         self._append("run.log", f"{time.strftime('%H:%M:%S')} {msg}".encode())
         if self.echo:
-            from tqdm import tqdm
-
             tqdm.write(msg, file=sys.stderr)
 
     def warn(self, msg: str) -> None:

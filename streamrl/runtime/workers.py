@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
 from streamrl.runtime import RunFailed
 from streamrl.runtime.runlog import RunLog
 
@@ -69,8 +72,6 @@ class Crew:
 
     def restart(self, i: int, why: str) -> None:
         """Start worker i again (its actor died); returns at once, Ray places it when it can."""
-        import ray
-
         self._restarts_of[i] += 1
         if self._restarts_of[i] > RESTARTS_PER_WORKER:
             raise RunFailed(f"rollout worker {i} died {self._restarts_of[i]} times; the last time: {why}")
@@ -102,8 +103,6 @@ class Crew:
         """`method(*args)` on every worker that is up (None for the others, whose call is only
         queued); a worker found dead is restarted and gives None, one Ray cannot reach for now
         (not known to be dead: it may still be writing to the pool) gives None."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError
-
         up = [i for i in range(len(self.actors)) if self.up(i)]
         for i in set(range(len(self.actors))) - set(up):
             getattr(self.actors[i], method).remote(*args)
@@ -150,8 +149,6 @@ class Crew:
         return [self._total(i) for i in range(len(self.actors))]
 
     async def _share(self, i: int, k: int) -> None:
-        from ray.exceptions import ActorDiedError, ActorUnavailableError
-
         while True:
             if not await self._placed_in_time(i):
                 taker = next((j for j in range(len(self.actors)) if j != i and self.up(j)), None)
@@ -187,8 +184,6 @@ class Crew:
     async def _probe(self, i: int, patience_s: float = 120.0) -> dict[str, Any] | None:
         """Worker i's report once Ray can reach it again; None (and worker i restarted) when Ray
         says it died or it stays out of reach `patience_s` (Ray declares a lost node dead sooner)."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError
-
         deadline = asyncio.get_running_loop().time() + patience_s
         while True:
             try:
@@ -241,8 +236,6 @@ class Crew:
         """Raise RunFailed for a worker that stopped with an error, restart one whose actor died
         (or, when Ray lost contact with it, once Ray knows whether it did); True when every worker
         has stopped streaming (out of prompts)."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError
-
         assert self.streams is not None
         for i, s in enumerate(self.streams):
             if _done(s):
@@ -265,8 +258,6 @@ class Crew:
 
 
 async def _result(ref: Any) -> Any:
-    import ray
-
     try:
         return await ref
     except ray.exceptions.RayTaskError as e:
@@ -275,8 +266,6 @@ async def _result(ref: Any) -> Any:
 
 
 def _done(ref: Any) -> bool:
-    import ray
-
     ready, _ = ray.wait([ref], timeout=0)
     return bool(ready)
 

@@ -8,8 +8,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
+
+import pyarrow.csv as pcsv
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from streamrl.connectors.megatron.model_kit import init_model_dir
+from streamrl.connectors.sglang.engine_process import serve_embedded
+from streamrl.pools import PoolError, open_pool
+from streamrl.pools import queries as pi
+from streamrl.pools.export import export
+from streamrl.producers import api_process
+from streamrl.recipe import RecipeError, dump_recipe, learner_summary, load_recipe
+from streamrl.runtime import RunFailed, RunLost
+from streamrl.tools.init import init_project
+from streamrl.tools.report import report_command
 
 EPILOG = """examples:
   streamrl init myproject                                    # a starter recipe + reward function to edit
@@ -227,13 +246,8 @@ examples:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    import os
-
     if os.getcwd() not in sys.path:  # recipes name functions in the user's modules (`streamrl.recipes.envs.calculator:solve`)
         sys.path.insert(0, os.getcwd())
-    from streamrl.pools.errors import PoolError
-    from streamrl.recipe import RecipeError
-
     try:
         return _dispatch(args)
     except (RecipeError, PoolError, UsageError) as e:
@@ -245,8 +259,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "init":
-        from streamrl.tools.init import init_project
-
         try:
             written = init_project(args.dir)
         except FileExistsError as e:
@@ -255,21 +267,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"next: cd {args.dir} && streamrl check recipe.yaml && streamrl run recipe.yaml")
         return 0
     if args.cmd == "check":
-        from streamrl.recipe import dump_recipe, learner_summary, load_recipe
-
         recipe = load_recipe(args.recipe, args.overrides)
         print(dump_recipe(recipe), end="")
         print(f"# learner: {learner_summary(recipe)}")
         return 0
     if args.cmd == "run":
-        from streamrl.recipe import load_recipe
-        from streamrl.runtime import RunFailed, RunLost
-        from streamrl.runtime.run import run
+        # The runtime (Ray, torch, transformers: seconds) loads for `streamrl run` alone.
+        from streamrl.runtime.run import resume, run
 
         try:
             if args.resume:
-                from streamrl.runtime.run import resume
-
                 overrides = ([args.recipe] if args.recipe else []) + args.overrides
                 bad = [o for o in overrides if "=" not in o]
                 if bad or args.run_dir or args.overwrite:
@@ -289,6 +296,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         _print_summary(summary)
         return 0
     if args.cmd == "replay":
+        # The learner (torch, megatron: seconds) loads for `streamrl replay` alone; it trains in this process.
         from streamrl.tools import replay as rp
 
         try:
@@ -308,44 +316,32 @@ def _dispatch(args: argparse.Namespace) -> int:
             rp.print_rows(rows, title)
         return 0
     if args.cmd == "report":
-        from streamrl.tools.report import report_command
-
         try:
             return report_command(args.run_dir, args.out, args.json)
         except ValueError as e:
             raise UsageError(str(e)) from None
     if args.cmd == "model":
-        from streamrl.connectors.megatron.model_kit import init_model_dir
-
         out = init_model_dir(args.out_dir, args.preset, args.seed)
         print(f"wrote {args.preset} model and tokenizer to {out}")
         return 0
     if args.cmd == "engine":
-        from pathlib import Path
-
-        from streamrl.connectors.sglang.engine_server import serve
-
         if not (Path(args.model) / "config.json").is_file():
             raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "
                              f"`streamrl model init {args.model}`")
-        serve(args.model, host=args.host, port=args.port, max_running=args.max_running,
-              weight_version=args.weight_version, seed=args.seed, threads=args.threads, weights_root=args.weights_root)
+        serve_embedded(model_dir=args.model, host=args.host, port=args.port, max_running=args.max_running,
+                       weight_version=args.weight_version, seed=args.seed, threads=args.threads,
+                       weights_root=args.weights_root)
         return 0
     if args.cmd == "produce":
-        from streamrl.producers.api_process import ServiceError, serve
-
         try:
-            serve(args.run_dir, host=args.host, port=args.port, quiet=args.quiet)
-        except ServiceError as e:
+            api_process.serve(args.run_dir, host=args.host, port=args.port, quiet=args.quiet)
+        except api_process.ServiceError as e:
             raise UsageError(str(e)) from None
         return 0
     return _pool_cmd(args)
 
 
 def _pool_cmd(args: argparse.Namespace) -> int:
-    from streamrl.pools import queries as pi
-    from streamrl.pools import open_pool
-
     pool = open_pool(args.run_dir)
     if args.pool_cmd == "stats":
         stats = pi.pool_stats(pool)
@@ -355,12 +351,10 @@ def _pool_cmd(args: argparse.Namespace) -> int:
             _print_stats(stats)
         return 0 if stats["ledger"]["balanced"] else 3
     if args.pool_cmd == "query":
-        import duckdb
-
         try:
             table = pi.pool_query(pool, args.sql)
-        except duckdb.Error as e:
-            raise UsageError(f"query failed: {str(e).splitlines()[0]} (columns: see pools/schema.py)") from None
+        except pi.QueryError as e:
+            raise UsageError(f"query failed: {e} (columns: see pools/schema.py)") from None
         _print_table(table, "json" if args.json else "csv" if args.csv else "text")
         return 0
     if args.pool_cmd == "show":
@@ -371,8 +365,6 @@ def _pool_cmd(args: argparse.Namespace) -> int:
         _print_group(groups[0], pi.load_decoder(args.tokenizer or pool.tokenizer))
         return 0
     if args.pool_cmd == "export":
-        from streamrl.pools.export import export
-
         try:
             info = export(pool, args.out, where=args.where, kind=args.kind, fmt=args.fmt, tokenizer=args.tokenizer,
                           progress=not args.quiet)
@@ -401,13 +393,8 @@ def _print_table(table: Any, fmt: str) -> None:
     if fmt == "json":
         print(json.dumps(table.to_pylist(), default=str))
     elif fmt == "csv":
-        import pyarrow.csv as pcsv
-
         pcsv.write_csv(table, sys.stdout.buffer)
     else:
-        from rich.console import Console
-        from rich.table import Table
-
         t = Table()
         for c in table.column_names:
             t.add_column(_cell(c))
@@ -426,16 +413,10 @@ def _plain(v: Any, limit: int | None = None) -> str:
 
 def _cell(v: Any, limit: int = 60) -> Any:
     """`_plain` as rich Text: never read as markup (a group id may hold '[/]')."""
-    from rich.text import Text
-
     return Text(_plain(v, limit))
 
 
 def _print_stats(s: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
     con = Console(width=120)
     led = s["ledger"]
     con.print(f"[bold]{escape(s['uri'])}[/bold]: {s['rows']} rows, {s['groups']} groups, "

@@ -21,11 +21,24 @@ its own (another layout would sum in another order, and float32 rounding drifts 
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
-from streamrl.recipe import Recipe, learner_layout
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from streamrl.connectors.megatron.checkpoint import list_checkpoints
+from streamrl.pools import RECORDED_RECIPE as RECIPE
+from streamrl.pools import open_pool
+from streamrl.pools.queries import QueryError, pool_query
+from streamrl.recipe import Recipe, learner_layout, load_recipe
+from streamrl.runtime.learner import LearnerDriver, quiet_megatron
+from streamrl.runtime.learner_group import SyncLearner
+from streamrl.runtime.runlog import read_jsonl
 
 GROUP_COLUMNS = ("group_id", "prompt_id", "producer_id", "status", "n_samples", "min_version", "max_version",
                  "consumed_step", "consumed_version", "created_ns", "drop_reason", "reward_mean", "reward_std",
@@ -59,9 +72,6 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 
 def load_run(run_dir: str | Path) -> Recipe:
-    from streamrl.recipe import load_recipe
-    from streamrl.runtime.run import RECIPE
-
     d = Path(run_dir)
     if not (d / RECIPE).is_file():
         raise ReplayError(f"{d} has no {RECIPE}: not a StreamRL run directory (or one from before runs kept it)")
@@ -69,24 +79,16 @@ def load_run(run_dir: str | Path) -> Recipe:
 
 
 def _learner(r: Recipe, run_dir: Path) -> Any:
-    from streamrl.runtime.learner import LearnerDriver, quiet_megatron
-
     quiet_megatron()
     sft = run_dir / "sft_model"
     model = str(sft) if (sft / "config.json").exists() else r.model.path
     if math.prod(learner_layout(r)) > 1:
-        from streamrl.runtime.learner_group import SyncLearner
-
         return SyncLearner(r, model, str(Path(r.model.tokenizer or r.model.path).resolve()))
     return LearnerDriver(r, model)
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, int]]:
     """(version, last step trained) of every checkpoint, oldest first."""
-    import json
-
-    from streamrl.connectors.megatron.checkpoint import list_checkpoints
-
     out = []
     for v, p in list_checkpoints(run_dir / "checkpoints"):
         extra = json.loads((p / "meta.json").read_text()).get("extra", {})
@@ -101,16 +103,11 @@ def _start(run_dir: Path, before_step: int) -> tuple[int, int]:
 
 
 def _original(run_dir: Path) -> dict[int, dict[str, Any]]:
-    from streamrl.runtime.runlog import read_jsonl
-
     return {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}  # a resumed run: its last row wins
 
 
 def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = True) -> list[dict[str, Any]]:
     """Rows {step, groups, loss, grad_norm, orig_loss, orig_grad_norm, ...} for steps first..last."""
-    from tqdm import tqdm
-
-
     d = Path(run_dir)
     r = load_run(d)
     drv = _learner(r, d)
@@ -138,16 +135,11 @@ def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = Tr
 
 def select_groups(run_dir: str | Path, where: str) -> list[dict[str, Any]]:
     """One row per group (GROUP_COLUMNS) matching `where`, oldest first."""
-    import duckdb
-
-    from streamrl.pools import open_pool
-    from streamrl.pools.queries import pool_query
-
     pool = open_pool(str(run_dir))
     try:
         t = pool_query(pool, f"SELECT * FROM ({_GROUPS_SQL}) WHERE {where} ORDER BY created_ns, group_id")
-    except duckdb.Error as e:
-        raise ReplayError(f"--where {where!r}: {str(e).splitlines()[0]} (columns: {', '.join(GROUP_COLUMNS)})") from None
+    except QueryError as e:
+        raise ReplayError(f"--where {where!r}: {e} (columns: {', '.join(GROUP_COLUMNS)})") from None
     finally:
         pool.close()
     return t.to_pylist()
@@ -155,9 +147,6 @@ def select_groups(run_dir: str | Path, where: str) -> list[dict[str, Any]]:
 
 def replay_where(run_dir: str | Path, where: str, progress: bool = True) -> list[dict[str, Any]]:
     """Train on the selected groups, `groups_per_step` at a time; one row per batch."""
-    from tqdm import tqdm
-
-
     d = Path(run_dir)
     r = load_run(d)
     groups = select_groups(d, where)
@@ -182,9 +171,6 @@ def replay_where(run_dir: str | Path, where: str, progress: bool = True) -> list
 
 
 def print_rows(rows: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     def f(v: Any) -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.6g}" if isinstance(v, float) \
             else str(v)
@@ -198,6 +184,4 @@ def print_rows(rows: list[dict[str, Any]], title: str) -> None:
         t.add_column(heads[c], justify="right")
     for row in rows:
         t.add_row(*(f(row[c]) if not isinstance(row[c], list) else ",".join(map(str, row[c])) for c in cols))
-    import sys
-
     Console(width=None if sys.stdout.isatty() else 160).print(t)

@@ -43,12 +43,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
 
+from streamrl.pools import PoolError, open_pool, resolve_pool
+from streamrl.pools.queries import pool_stats
 from streamrl.runtime.runlog import read_jsonl
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 EDGE = 10  # steps averaged for reward_first / reward_last
 GEN, TRAIN, SAMPLED, GREEDY = "tab:blue", "tab:orange", "tab:green", "tab:purple"
@@ -100,20 +106,23 @@ def _eval_point(r: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _pool_stats(run_dir: Path, notes: list[str]) -> dict[str, Any] | None:
-    from streamrl.pools import PoolError, open_pool, resolve_pool
-
     uri = resolve_pool(str(run_dir))[0]
     if "://" not in uri and not (Path(uri) / "pool.lance").is_dir():
         notes.append("no experience pool (pool/): staleness from metrics.jsonl, no ledger or failed groups")
         return None
-    from streamrl.pools.queries import pool_stats
-
     try:
         with open_pool(str(run_dir)) as pool:
             return pool_stats(pool)
     except PoolError as e:
         notes.append(f"experience pool unreadable ({e}): staleness from metrics.jsonl")
         return None
+
+
+def _figure(**kwargs: Any) -> Figure:
+    # matplotlib (~0.3 s) loads when a report is drawn, not on import: the CLI imports this module for every command.
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)
 
 
 def _save(fig: Figure, path: Path, files: list[str]) -> None:
@@ -147,7 +156,7 @@ def _plot_reward(rows: list[dict[str, Any]], evals: list[dict[str, Any]], path: 
     ev_t = np.array([published.get(r["policy_version"], r.get("wall_time_s", np.nan)) for r in evals], float)
     ev = {"accuracy": _col(evals, "accuracy"), "greedy_accuracy": _col(evals, "greedy_accuracy")}
 
-    fig = Figure(figsize=(13, 4.6), layout="constrained")
+    fig = _figure(figsize=(13, 4.6), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     for ax, x, ex, xlabel in ((axes[0], version, ev_v, "policy version"), (axes[1], wall, ev_t, "wall time (s)")):
         _line(ax, x, reward, w, GEN, "train reward")
@@ -176,7 +185,7 @@ def _plot_reward(rows: list[dict[str, Any]], evals: list[dict[str, Any]], path: 
 
 def _plot_staleness(rows: list[dict[str, Any]], hist: dict[str, int] | None, path: Path,
                     files: list[str]) -> None:
-    fig = Figure(figsize=(7, 4.4), layout="constrained")
+    fig = _figure(figsize=(7, 4.4), layout="constrained")
     ax = fig.subplots()
     if hist is not None:
         xs = sorted(int(k) for k in hist)
@@ -206,7 +215,7 @@ def _plot_staleness(rows: list[dict[str, Any]], hist: dict[str, int] | None, pat
 
 def _plot_throughput(rows: list[dict[str, Any]], path: Path, files: list[str]) -> None:
     wall, w = _col(rows, "wall_time_s"), _window(len(rows))
-    fig = Figure(figsize=(13, 4.4), layout="constrained")
+    fig = _figure(figsize=(13, 4.4), layout="constrained")
     tok, smp = fig.subplots(1, 2, sharex=True)
     _line(tok, wall, _col(rows, "gen_tokens_per_s"), w, GEN, "generation (all engines)")
     _line(tok, wall, _col(rows, "train_tokens_per_s"), w, TRAIN, "training (during train step)")
@@ -233,7 +242,7 @@ def _plot_drops(drops: dict[str, int], failed: int | None, admitted: int | None,
                 files: list[str]) -> None:
     bars = {**drops, **({"failed (all samples)": failed} if failed else {})}
     items = sorted(bars.items(), key=lambda kv: kv[1])
-    fig = Figure(figsize=(7, 1.8 + 0.45 * max(2, len(items))), layout="constrained")
+    fig = _figure(figsize=(7, 1.8 + 0.45 * max(2, len(items))), layout="constrained")
     ax = fig.subplots()
     total = sum(bars.values())
     of = f" of {admitted} admitted" if admitted else ""
@@ -264,7 +273,7 @@ LEARNER_PANELS = [
 def _plot_learner(rows: list[dict[str, Any]], path: Path, files: list[str]) -> None:
     version, w = _col(rows, "policy_version"), _window(len(rows))
     skipped = version[np.nan_to_num(_col(rows, "nonfinite_skipped")) > 0]
-    fig = Figure(figsize=(11, 9.6), layout="constrained")
+    fig = _figure(figsize=(11, 9.6), layout="constrained")
     axes = fig.subplots(3, 2, sharex=True).ravel()
     colors = (GEN, TRAIN, SAMPLED, GREEDY)
     for i, (ax, (keys, title)) in enumerate(zip(axes, LEARNER_PANELS)):
@@ -366,9 +375,6 @@ def _f(v: Any, fmt: str = ".3f") -> str:
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     def ev(e: dict[str, Any] | None) -> str:
         if e is None:
             return "—"
