@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import socket
@@ -25,6 +26,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from streamrl.connectors.megatron.model_kit import PRESETS
 from streamrl.core import corrections
 from streamrl.core.staleness import mode_bound
 from streamrl.core.types import ConsumptionPolicy, PartialRolloutPolicy
@@ -648,8 +650,6 @@ def learner_layout(r: Recipe) -> tuple[int, int, int]:
 
 def _model_shape(r: Recipe) -> dict[str, Any] | None:
     """The model's config.json (or the preset model.init will build), None when neither is there yet."""
-    import json
-
     cfg = Path(r.model.path) / "config.json"
     if cfg.exists():
         try:
@@ -657,8 +657,6 @@ def _model_shape(r: Recipe) -> dict[str, Any] | None:
         except (OSError, ValueError):
             return None  # the run reports an unreadable model directory itself
     if r.model.init is not None:
-        from streamrl.connectors.megatron.model_kit import PRESETS
-
         return dict(PRESETS[r.model.init.preset])
     return None
 
