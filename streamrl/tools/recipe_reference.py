@@ -2,7 +2,7 @@
 
     python -m streamrl.tools.recipe_reference > docs/recipe-reference.md
 
-Types, defaults and allowed values come from the msgspec Structs in streamrl/recipe.py; what a key
+Types, defaults and allowed values come from the msgspec Structs in streamrl/recipe/schema.py; what a key
 means comes from the `# comments` beside and above each field there (and each section's
 docstring), read with tokenize because comments never reach the running objects.
 tests/test_docs.py fails when the page differs from what this module renders.
@@ -201,8 +201,8 @@ def render() -> str:
     out = [
         "# Recipe reference",
         "",
-        "<!-- Generated from streamrl/recipe.py; do not edit by hand. -->",
-        f"Generated from the typed recipe schema (`streamrl/recipe.py`): `{COMMAND}`.",
+        "<!-- Generated from streamrl/recipe/schema.py; do not edit by hand. -->",
+        f"Generated from the typed recipe schema (`streamrl/recipe/schema.py`): `{COMMAND}`.",
         "`tests/test_docs.py` fails when this page differs from what that command prints, so change",
         "the schema (types, defaults, the `# comments` beside each field) and regenerate.",
         "",

@@ -26,7 +26,7 @@ Choice = str | Callable[..., Any]
 @dataclass
 class RLConfig:
     """The objective and the learner's schedule per claimed batch; mirrors the recipe's
-    `learner:` keys (streamrl/recipe.py LearnerCfg) with `auto` and unset keys resolved.
+    `learner:` keys (streamrl/recipe/schema.py LearnerCfg) with `auto` and unset keys resolved.
     `advantage`, `loss` and `off_policy` hold a built-in name or a function (step.py says how
     each is called)."""
 

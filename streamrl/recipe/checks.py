@@ -1,0 +1,124 @@
+"""Settings that are valid alone but not together (exit 2 naming the key), and the learner's
+one-line summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from streamrl.connectors.megatron.model_kit import PRESETS
+from streamrl.core import corrections
+from streamrl.recipe.schema import Recipe, learner_layout
+
+SECRET_WORDS = ("secret", "token", "password", "access_key_id", "account_key", "service_account_key", "sas_key")
+
+
+def conflicts(r: Recipe) -> list[tuple[str, str]]:
+    """(key path, problem) for settings that are valid alone but not together."""
+    out = []
+    if r.rollout.workers == 0 and not r.producer_api.enabled:
+        out.append(("rollout.workers", "is 0 and producer_api.enabled is false, so nothing would produce groups; "
+                                       "set rollout.workers >= 1 or enable producer_api"))
+    if r.producer_api.enabled and r.run.mode != "stream":
+        out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
+                                            "the other modes generate each batch with the rollout workers"))
+    out += _learner_conflicts(r)
+    if r.network.bind == "node":
+        for key, host in (("engines.host", r.engines.host), ("producer_api.host", r.producer_api.host)):
+            if host != "127.0.0.1":
+                out.append((key, f"is {host!r} and network.bind is node, which binds each node's cluster address: "
+                                 "set one of the two"))
+    for key in r.pool.storage_options:
+        if any(w in key.lower() for w in SECRET_WORDS):
+            out.append((f"pool.storage_options.{key}", "credentials do not belong in a recipe (it is copied into the "
+                        "run directory and sent to every node); set them in the environment of the driver and of "
+                        f"every Ray node instead (for S3: {key.upper()})"))
+    for name in ("learner", "engines"):
+        for res in getattr(r.placement, name).resources:
+            if res in ("CPU", "GPU", "memory", "object_store_memory"):
+                out.append((f"placement.{name}.resources", f"{res!r} is set by the run (learner.num_gpus, "
+                                                           "engines.*): name only custom resources here"))
+    return out
+
+
+def _learner_conflicts(r: Recipe) -> list[tuple[str, str]]:
+    """Off-policy keys set for a correction that does not read them, bands that are empty, and
+    mini-batches that cannot each hold a whole group."""
+    lc, out = r.learner, []
+    chosen = corrections.resolve(lc.off_policy, r.max_staleness)
+    why = "" if lc.off_policy != "auto" else f" (auto, for run.mode {r.run.mode}" + (
+        f" with staleness.max_staleness {r.staleness.max_staleness})" if r.run.mode == "stream" else ")")
+    for key in corrections.DEFAULTS:  # a user's correction (a function path) reads none of them
+        if getattr(lc, key) is None or key in corrections.USES.get(chosen, ()):
+            continue
+        users = " or ".join(k for k, keys in corrections.USES.items() if key in keys)
+        out.append((f"learner.{key}", f"is read only by learner.off_policy {users}, but off_policy is {chosen!r}{why}; "
+                                      "remove it or choose one of those"))
+    if chosen == "mis" and lc.seq_ratio is not None and (lc.mis_level or "token") == "token":
+        out.append(("learner.seq_ratio", "has no effect with learner.mis_level token; set mis_level: sequence or remove it"))
+    used = corrections.params(chosen, lc)
+    for low, high in (("mis_low", "mis_high"), ("icepop_low", "icepop_high")):
+        if low in used and not used[low] < used[high]:
+            key = low if getattr(lc, low) is not None else high  # the one the recipe set
+            out.append((f"learner.{key}", f"the band [{low} {used[low]}, {high} {used[high]}] is empty: "
+                                          f"{low} must be below {high}"))
+    out += _parallel_conflicts(r)
+    if lc.mini_batches > r.rollout.groups_per_step:
+        out.append(("learner.mini_batches", f"{lc.mini_batches} exceeds rollout.groups_per_step "
+                                            f"{r.rollout.groups_per_step}: each mini-batch holds whole groups"))
+    return out
+
+
+def _model_shape(r: Recipe) -> dict[str, Any] | None:
+    """The model's config.json (or the preset model.init will build), None when neither is there yet."""
+    cfg = Path(r.model.path) / "config.json"
+    if cfg.exists():
+        try:
+            return dict(json.loads(cfg.read_text()))
+        except (OSError, ValueError):
+            return None  # the run reports an unreadable model directory itself
+    if r.model.init is not None:
+        return dict(PRESETS[r.model.init.preset])
+    return None
+
+
+def _parallel_conflicts(r: Recipe) -> list[tuple[str, str]]:
+    """A layout the GPUs or the model cannot hold: ranks != learner GPUs, or heads, KV heads, MLP
+    width or layers that do not divide by tp or pp."""
+    lc, out = r.learner, []
+    p = lc.parallel
+    if p.dp == "auto" and lc.num_gpus and lc.num_gpus % (p.tp * p.pp):
+        out.append(("learner.parallel.dp", f"auto needs learner.num_gpus ({lc.num_gpus}) to be a multiple of "
+                                           f"tp * pp = {p.tp * p.pp}"))
+    tp, pp, dp = learner_layout(r)
+    if lc.num_gpus and lc.num_gpus != tp * pp * dp:
+        out.append(("learner.num_gpus", f"{lc.num_gpus} GPUs but learner.parallel asks for tp {tp} x pp {pp} x dp {dp} "
+                                        f"= {tp * pp * dp} ranks (one GPU each); make them equal or set dp: auto"))
+    shape = _model_shape(r)
+    if shape is None:
+        return out
+    heads = shape.get("num_attention_heads", 1)
+    for key, size, what in (("tp", tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size")),
+                            ("pp", pp, ("num_hidden_layers",))):
+        for field in what:
+            n = shape.get(field, heads if field == "num_key_value_heads" else None)
+            if n is not None and n % size:
+                out.append((f"learner.parallel.{key}", f"{size} does not divide the model's {field} ({n}, "
+                                                       f"{r.model.path}); choose a divisor of {n}"))
+    return out
+
+
+def learner_summary(r: Recipe) -> str:
+    """One line: the off-policy correction the learner will apply (`auto` resolved, unset keys
+    at their defaults), its optimizer steps per claimed batch, the advantage and the loss."""
+    lc = r.learner
+    chosen = corrections.resolve(lc.off_policy, r.max_staleness)
+    keys = ", ".join(f"{k} {v}" for k, v in corrections.params(chosen, lc).items())
+    auto = f" (auto, for run.mode {r.run.mode})" if lc.off_policy == "auto" else ""
+    steps = lc.mini_batches * lc.epochs
+    tp, pp, dp = learner_layout(r)
+    layout = f"{tp * pp * dp} ranks (tp {tp} x pp {pp} x dp {dp}); " if tp * pp * dp > 1 else ""
+    return (f"{layout}off-policy correction {chosen}{auto}{': ' + keys if keys else ''}; {steps} optimizer step"
+            f"{'s' if steps > 1 else ''} per claimed batch ({lc.mini_batches} mini-batch(es) x {lc.epochs} epoch(s)); "
+            f"advantage {lc.advantage}, loss {lc.loss}")
