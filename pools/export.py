@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from streamrl.pools.lance_pool import LancePool
 from streamrl.pools.reads import ROW_ID, Snapshot
 from streamrl.pools.schema import POOL_SCHEMA, SPAN_TYPE
+from streamrl.pools.sql import check_where
 
 KINDS = ("samples", "best", "dpo", "raw")
 FORMATS = ("parquet", "jsonl", "hf")
@@ -268,6 +269,8 @@ def export(pool: LancePool, out: str, *, where: str | None = None, kind: str = "
 
     from streamrl.pools.queries import load_decoder
 
+    if where is not None:  # before Lance or DuckDB sees it: one filter expression, never a second statement
+        check_where(where)
     if kind not in KINDS:
         raise ExportError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
     fmt = fmt or guess_format(out)

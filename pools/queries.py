@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import msgspec
 import pyarrow as pa
 
@@ -18,6 +17,7 @@ from streamrl.core.claims import apply_claims
 from streamrl.core.ledger import compute_ledger
 from streamrl.pools.lance_pool import ADMISSIONS_TABLE, LancePool
 from streamrl.pools.schema import ADMISSIONS_SCHEMA, META_COLUMNS, POOL_SCHEMA
+from streamrl.pools.sql import check_select, connect
 
 STATS_VERSION = 1
 
@@ -30,7 +30,7 @@ def pool_stats(pool: LancePool) -> dict[str, Any]:
     adm = pool.scan(["group_id", "n"], table=ADMISSIONS_TABLE)
     ledger = compute_ledger(adm, stored.select(["group_id", "sample_index", "status"]), claims)
     meta = apply_claims(stored, claims)
-    con = duckdb.connect()
+    con = connect()
     con.register("pool", meta)
 
     def rows(sql: str) -> list[tuple[Any, ...]]:
@@ -76,9 +76,10 @@ def _mentioned(sql: str, schema: pa.Schema) -> list[str]:
 
 
 def pool_query(pool: LancePool, sql: str) -> pa.Table:
-    """Run DuckDB SQL over the pool (table `pool`, claims applied), the ledger's `admissions` table
-    and the learner's `claims`."""
-    con = duckdb.connect()
+    """Run one DuckDB SELECT over the pool (table `pool`, claims applied), the ledger's `admissions`
+    table and the learner's `claims`, read-only (pools/sql.py; SQLRefused otherwise)."""
+    check_select(sql)
+    con = connect()
     con.register("pool", pool.scan(_mentioned(sql, POOL_SCHEMA)))
     if re.search(r"\badmissions\b", sql):
         con.register("admissions", pool.scan(_mentioned(sql, ADMISSIONS_SCHEMA), table=ADMISSIONS_TABLE))

@@ -6,6 +6,7 @@ where only the proxy's own checks are under test."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,8 +14,12 @@ import aiohttp
 import pytest
 
 from streamrl.core.types import VersionSpan
+from streamrl.pools import LancePool
 from streamrl.producers.episode import Episode
 from streamrl.producers.openai_proxy import OpenAIProxy
+from streamrl.tools.cli import main
+
+from poolkit import make_group
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +116,46 @@ def test_max_tokens_is_capped_by_the_recipe_and_must_be_positive(tok: Any) -> No
     assert "max_tokens is 0" in results[1][1]["error"]["message"]
     assert "max_completion_tokens is -1" in results[2][1]["error"]["message"]
     assert all("http" not in r[1]["error"]["message"] for r in results[1:])
+
+
+# ---------------------------------------------------------------- pool SQL
+
+
+@pytest.fixture
+def small_run(run_dir: Path) -> Path:
+    with LancePool(run_dir / "pool") as pool:
+        groups = [make_group(f"g{i}", n=2) for i in range(2)]
+        pool.append(groups, admit=True)
+    return run_dir
+
+
+@pytest.mark.parametrize("sql", [
+    "COPY (SELECT 42) TO '{out}'",
+    "SELECT * FROM read_csv('/etc/hostname')",
+    "ATTACH '{out}.db'",
+    "INSTALL httpfs",
+    "LOAD httpfs",
+    "SET enable_external_access = true",
+    "SELECT 1; COPY (SELECT 42) TO '{out}'",
+    "",
+])
+def test_pool_query_is_one_read_only_select(small_run: Path, tmp_path: Path, sql: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Today COPY wrote the file, ATTACH and read_csv worked, and an empty query was a traceback."""
+    out = tmp_path / "x.csv"
+    assert main(["pool", "query", str(small_run), sql.format(out=out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("streamrl: error:") and len(err.splitlines()) == 1, err
+    assert not out.exists() and not Path(f"{out}.db").exists()
+
+
+def test_pool_export_where_is_one_expression(small_run: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Today the first half of "reward > 0; DROP TABLE pool" ran and the export succeeded."""
+    out = tmp_path / "out.parquet"
+    assert main(["pool", "export", str(small_run), str(out), "--quiet", "--where",
+                 "sample_index >= 0; DROP TABLE pool"]) == 2
+    assert "2 SQL statements" in capsys.readouterr().err and not out.exists()
+    assert main(["pool", "query", str(small_run), "SELECT count(*) AS n FROM pool WHERE sample_index >= 0",
+                 "--json"]) == 0
+    assert '"n": 4' in capsys.readouterr().out  # still answers ordinary queries
