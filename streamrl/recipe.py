@@ -12,6 +12,7 @@ Long file: the whole recipe schema is one typed tree a reader should see in one 
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import os
 import re
 import socket
@@ -201,7 +202,7 @@ class ProducerApiCfg(_Cfg):
     """External producers: other processes submit groups over HTTP (`streamrl produce serve`)."""
 
     enabled: bool = False  # reserve a share of the admission capacity for them and start the service with the run
-    host: str = "127.0.0.1"  # another address exposes it beyond this machine (bearer token still required)
+    host: str = "127.0.0.1"  # another address exposes it beyond this machine (bearer token still required); not 0.0.0.0
     port: NonNegInt = 0  # 0 = any free port; the URL is written to RUN_DIR/producer.json
     max_body_mb: PosFloat = 16.0  # larger submissions are refused with 413
     lease_s: PosFloat = 120.0  # a lease's unused slots return to the capacity after this long (a dead producer's too)
@@ -291,7 +292,7 @@ class EnginesCfg(_Cfg):
     # embedded: the CPU engine over transformers that speaks SGLang's API; sglang: SGLang (GPU);
     # auto: SGLang where the cluster has GPUs
     backend: Literal["embedded", "sglang", "auto"] = "embedded"
-    host: str = "127.0.0.1"  # the address the engines bind; another exposes them beyond this machine
+    host: str = "127.0.0.1"  # the address the engines bind; another exposes them beyond this machine; not 0.0.0.0
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"  # sglang-router's
     weight_sync: Literal["distributed", "disk"] = "distributed"  # how new versions reach the engines
     tp: PosInt = 1  # tensor parallel size per engine: each TP rank joins the weight group (embedded: 1 process)
@@ -537,6 +538,13 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
     return recipe
 
 
+def _every_interface(host: str) -> bool:
+    try:
+        return not host or ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a host name
+        return False
+
+
 SECRET_WORDS = ("secret", "token", "password", "access_key_id", "account_key", "service_account_key", "sas_key")
 
 
@@ -550,6 +558,10 @@ def _conflicts(r: Recipe) -> list[tuple[str, str]]:
         out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
                                             "the other modes generate each batch with the rollout workers"))
     out += _learner_conflicts(r)
+    for key, host in (("engines.host", r.engines.host), ("producer_api.host", r.producer_api.host)):
+        if _every_interface(host):
+            out.append((key, f"is {host!r}, every interface of the machine; give the one address to listen on "
+                             "(or network.bind: node for each node's cluster address)"))
     if r.network.bind == "node":
         for key, host in (("engines.host", r.engines.host), ("producer_api.host", r.producer_api.host)):
             if host != "127.0.0.1":

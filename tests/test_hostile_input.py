@@ -6,6 +6,12 @@ where only the proxy's own checks are under test."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,9 +20,11 @@ import aiohttp
 import pytest
 
 from streamrl.core.types import VersionSpan
+from streamrl.connectors.sglang import engine_server
 from streamrl.pools import LancePool
 from streamrl.producers.episode import Episode
 from streamrl.producers.openai_proxy import OpenAIProxy
+from streamrl.recipe import RecipeError, parse_recipe
 from streamrl.tools.cli import main
 
 from poolkit import make_group
@@ -159,3 +167,61 @@ def test_pool_export_where_is_one_expression(small_run: Path, tmp_path: Path,
     assert main(["pool", "query", str(small_run), "SELECT count(*) AS n FROM pool WHERE sample_index >= 0",
                  "--json"]) == 0
     assert '"n": 4' in capsys.readouterr().out  # still answers ordinary queries
+
+
+# ---------------------------------------------------------------- engines and recipe hosts
+
+
+def test_engine_serve_refuses_every_interface_and_a_keyless_public_host(
+        model_dirs: tuple[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Today --host 0.0.0.0 served with no key and loaded weights from any path."""
+    served: list[dict[str, Any]] = []
+    monkeypatch.setattr(engine_server, "serve", lambda model, **kw: served.append({"model": model, **kw}))
+    monkeypatch.delenv("STREAMRL_API_KEY", raising=False)
+    monkeypatch.delenv("STREAMRL_ADMIN_KEY", raising=False)
+    model = model_dirs[0]
+    assert main(["engine", "serve", "--model", model, "--host", "0.0.0.0"]) == 2
+    assert "every interface" in capsys.readouterr().err
+    assert main(["engine", "serve", "--model", model, "--host", "10.11.12.13"]) == 2
+    assert "STREAMRL_API_KEY and STREAMRL_ADMIN_KEY" in capsys.readouterr().err and not served
+    monkeypatch.setenv("STREAMRL_API_KEY", "a" * 32)
+    monkeypatch.setenv("STREAMRL_ADMIN_KEY", "b" * 32)
+    assert main(["engine", "serve", "--model", model, "--host", "10.11.12.13"]) == 0
+    assert main(["engine", "serve", "--model", model]) == 0
+    assert [s["weights_root"] for s in served] == [model, model]  # weights load only from the model's directory
+
+
+@pytest.mark.parametrize("key", ["engines.host", "producer_api.host"])
+def test_recipes_refuse_every_interface(key: str) -> None:
+    """Today engines.host: 0.0.0.0 was refused only together with network.bind: node."""
+    with pytest.raises(RecipeError, match=rf"{key}: is '0.0.0.0', every interface"):
+        parse_recipe("model:\n  path: m\ndata:\n  path: d\n", "r.yaml", [f"{key}=0.0.0.0"])
+    parse_recipe("model:\n  path: m\ndata:\n  path: d\n", "r.yaml", [f"{key}=10.1.2.3"])
+
+
+def test_engine_exits_promptly_on_sigterm_with_a_request_stuck_in_a_thread(model_dirs: tuple[str, str]) -> None:
+    """Today an engine whose weight-group join waited on a master that never answers ignored
+    SIGTERM for its whole store timeout (40 s and more)."""
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never speaks
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl", "engine", "serve", "--model", model_dirs[0],
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = proc.stdout.readline().split()[-1]  # type: ignore[union-attr]
+        body = json.dumps({"master_address": "127.0.0.1", "master_port": silent.getsockname()[1], "rank_offset": 1,
+                           "world_size": 2, "group_name": "g", "backend": "gloo"}).encode()
+        client = subprocess.Popen([sys.executable, "-c", "import sys, urllib.request as u; u.urlopen(u.Request("
+                                   "sys.argv[1], data=sys.argv[2].encode(), headers={'Content-Type': "
+                                   "'application/json'}), timeout=60)", url + "/init_weights_update_group",
+                                   body.decode()], stderr=subprocess.DEVNULL)
+        time.sleep(1.5)
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=engine_server.EXIT_GRACE_S + 5)
+        assert time.monotonic() - t0 < engine_server.EXIT_GRACE_S + 2
+        client.kill()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        silent.close()

@@ -11,6 +11,9 @@ import json
 import sys
 from typing import Any
 
+from streamrl.connectors.auth import ADMIN_KEY_ENV, API_KEY_ENV, Keys
+from streamrl.connectors.ports import is_loopback, is_wildcard
+
 EPILOG = """examples:
   streamrl init myproject                                    # a starter recipe + reward function to edit
   streamrl run recipes/quickstart.yaml                       # SFT warm-start, then streaming GRPO
@@ -125,14 +128,17 @@ def _parser() -> argparse.ArgumentParser:
                                    "STREAMRL_API_KEY / STREAMRL_ADMIN_KEY in the environment it wants them as SGLang's "
                                    "--api-key / --admin-api-key do ('Authorization: Bearer KEY'; /health needs none).")
     ev.add_argument("--model", required=True, help="HF model directory (e.g. from `streamrl model init`)")
-    ev.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    ev.add_argument("--host", default="127.0.0.1",
+                    help="bind address (default 127.0.0.1: this machine only). Another address needs "
+                         "STREAMRL_API_KEY and STREAMRL_ADMIN_KEY in the environment; 0.0.0.0 is refused")
     ev.add_argument("--port", type=int, default=30000, help="port (0: any free port, printed)")
     ev.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
     ev.add_argument("--weight-version", default="0")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: engines share the CPU; more only on an otherwise idle machine)")
-    ev.add_argument("--weights-root", help="load weights (/update_weights_from_disk) only from under this directory")
+    ev.add_argument("--weights-root", help="load weights (/update_weights_from_disk) only from under this directory "
+                                           "(default: the --model directory)")
 
     pr = sub.add_parser("produce", help="let other processes stream sample groups into a run (producer API)")
     prs = pr.add_subparsers(dest="produce_cmd", required=True, metavar="ACTION")
@@ -328,8 +334,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not (Path(args.model) / "config.json").is_file():
             raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "
                              f"`streamrl model init {args.model}`")
+        _check_engine_host(args.host)
         serve(args.model, host=args.host, port=args.port, max_running=args.max_running,
-              weight_version=args.weight_version, seed=args.seed, threads=args.threads, weights_root=args.weights_root)
+              weight_version=args.weight_version, seed=args.seed, threads=args.threads,
+              weights_root=args.weights_root or args.model)
         return 0
     if args.cmd == "produce":
         from streamrl.producers.api_process import ServiceError, serve
@@ -340,6 +348,19 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         return 0
     return _pool_cmd(args)
+
+
+def _check_engine_host(host: str) -> None:
+    """An engine reachable from other machines serves only callers holding both keys."""
+    if is_wildcard(host):
+        raise UsageError(f"--host {host!r} listens on every interface of this machine; give the one address "
+                         "to serve on (127.0.0.1 for this machine only)")
+    keys = Keys.from_env()
+    if not is_loopback(host) and not (keys.api and keys.admin):
+        missing = " and ".join(k for k, v in ((API_KEY_ENV, keys.api), (ADMIN_KEY_ENV, keys.admin)) if not v)
+        raise UsageError(f"--host {host} is reachable from other machines: set {missing} in the environment "
+                         "(the keys callers must send; never on the command line, where `ps` shows them), "
+                         "or serve on 127.0.0.1")
 
 
 def _pool_cmd(args: argparse.Namespace) -> int:
