@@ -513,7 +513,10 @@ def _yaml_problem(e: yaml.YAMLError, where: str, text: str) -> str:
     return f"{where}:{line}: not valid YAML: {getattr(e, 'problem', None) or e}{detail}"
 
 
-def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None = None) -> Recipe:
+def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None = None,
+                 resolve: bool = True) -> Recipe:
+    """The recipe in `text`; with `resolve`, every function it names is imported (that runs the
+    module's code: see streamrl/runtime/user_code.py for recipes from a run directory)."""
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
         lines = _line_index(text)
@@ -528,7 +531,7 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
         recipe = msgspec.convert(data, Recipe)
     except msgspec.ValidationError as e:
         raise RecipeError(_explain(e, where, lines, origin)) from None
-    for key, fn in fn_paths(recipe):
+    for key, fn in fn_paths(recipe) if resolve else []:
         try:
             resolve_fn(fn)
         except ValueError as e:
@@ -672,18 +675,19 @@ def learner_summary(r: Recipe) -> str:
             f"{'s' if steps > 1 else ''} per claimed batch ({lc.mini_batches} mini-batch(es) x {lc.epochs} epoch(s))")
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve: bool = True) -> Recipe:
     """The recipe at `path`; its directory joins the end of sys.path, so `fn: my_rewards:score`
-    may name a module kept next to the recipe (runs ship such modules to every Ray node)."""
+    may name a module kept next to the recipe (runs ship such modules to every Ray node).
+    `resolve=False`: neither that nor any import, only the schema and the settings checked."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise RecipeError(f"{p}: cannot read recipe ({e.strerror or e})") from None
     here = str(p.resolve().parent)
-    if here not in sys.path:
+    if resolve and here not in sys.path:
         sys.path.append(here)
-    return parse_recipe(text, str(p), overrides)
+    return parse_recipe(text, str(p), overrides, resolve)
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,7 +25,10 @@ from streamrl.connectors.sglang import engine_server
 from streamrl.pools import LancePool
 from streamrl.producers.episode import Episode
 from streamrl.producers.openai_proxy import OpenAIProxy
-from streamrl.recipe import RecipeError, parse_recipe
+from streamrl.recipe import RecipeError, dump_recipe, load_recipe, parse_recipe
+from streamrl.runtime import run as run_module
+from streamrl.runtime.user_code import record_modules
+from streamrl.tools import cli
 from streamrl.tools.cli import main
 
 from poolkit import make_group
@@ -225,3 +229,57 @@ def test_engine_exits_promptly_on_sigterm_with_a_request_stuck_in_a_thread(model
             proc.kill()
             proc.wait()
         silent.close()
+
+
+# ---------------------------------------------------------------- resume from a run directory
+
+
+@pytest.fixture
+def stopped_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, str]:
+    """(run dir, the reward module's file, its name): a run whose recipe names a reward kept next
+    to the recipe, as `streamrl run` leaves it (recipe.yaml, user_modules.json); _run is stubbed."""
+    project, d = tmp_path / "project", tmp_path / "run"
+    project.mkdir(), d.mkdir()
+    name = f"rw_{uuid.uuid4().hex[:8]}"  # a fresh module per test: sys.modules outlives the test
+    (project / f"{name}.py").write_text("def score(prompt, response, label):\n    return 1.0\n")
+    (project / "recipe.yaml").write_text(f"model:\n  path: m\ndata:\n  path: d\nreward:\n  fn: {name}:score\n")
+    r = load_recipe(project / "recipe.yaml")
+    (d / "recipe.yaml").write_text(dump_recipe(r))
+    record_modules(r, d)
+    monkeypatch.setattr(run_module, "_run", lambda r, d, progress, resume: {"resumed": True})
+    monkeypatch.setattr(cli, "_print_summary", lambda summary: None)
+    return d, project / f"{name}.py", name
+
+
+def _plant(d: Path, marker: Path) -> str:
+    """A module in the run directory that leaves `marker` when imported, named by its recipe."""
+    evil = f"evil_{uuid.uuid4().hex[:8]}"
+    (d / f"{evil}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef score(*a):\n    return 1.0\n")
+    text = (d / "recipe.yaml").read_text()
+    (d / "recipe.yaml").write_text(text.replace(text[text.index("fn: rw_"):].split("\n")[0], f"fn: {evil}:score"))
+    return evil
+
+
+def test_resume_runs_no_module_the_run_directory_planted(stopped_run: tuple[Path, Path, str], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Today a run directory holding evil_mod.py with reward.fn: evil_mod:score ran it on --resume."""
+    d, _, _ = stopped_run
+    marker = tmp_path / "ran"
+    evil = _plant(d, marker)
+    monkeypatch.chdir(d)  # even from inside the run directory
+    assert main(["run", "--resume", str(d), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and evil in err and "--trust-run-dir" in err, err
+    assert not marker.exists()
+    assert main(["run", "--resume", str(d), "--trust-run-dir", "--quiet"]) == 0 and marker.exists()
+
+
+def test_resume_refuses_a_changed_module_and_shows_an_unchanged_one(stopped_run: tuple[Path, Path, str],
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    d, module, name = stopped_run
+    assert run_module.resume(d) == {"resumed": True}
+    assert f"user code: {name} from {module}" in capsys.readouterr().err
+    module.write_text(module.read_text() + "x = 1\n")
+    with pytest.raises(run_module.RunFailed, match=rf"{name} \(reward.fn\): {module} changed since the run"):
+        run_module.resume(d)

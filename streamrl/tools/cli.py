@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                         "trained after the checkpoint are trained again on the same groups). Run it from the "
                         "directory the run was started in (recipe paths are relative to it); KEY=VALUE "
                         "overrides apply, e.g. run.steps=400 to train longer")
+    r.add_argument("--trust-run-dir", action="store_true",
+                   help="with --resume: import the user code RUN_DIR/recipe.yaml names even where it is not what "
+                        "the run loaded when it started (RUN_DIR/user_modules.json), e.g. a reward you edited, "
+                        "or modules kept in RUN_DIR; only for a run directory whose contents you trust")
     r.add_argument("--quiet", action="store_true", help="no progress bar or log lines (summary only)")
 
     rp = sub.add_parser("replay", help="train past steps again from the pool; compare losses and grad norms",
@@ -100,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
                            "consumed_step, consumed_version, created_ns, drop_reason, reward_mean, reward_std, "
                            "reward_min, reward_max, tokens_mean, failed_samples")
     rp.add_argument("--json", action="store_true", help="print one JSON object per step/batch instead of a table")
+    rp.add_argument("--trust-run-dir", action="store_true",
+                    help="import user code the run did not load when it started (see `streamrl run --help`)")
 
     rep = sub.add_parser("report", help="PNG plots and a summary table of a run",
                          description="Write RUN_DIR/report/*.png (reward and eval accuracy vs version and wall time, "
@@ -281,10 +287,12 @@ def _dispatch(args: argparse.Namespace) -> int:
                 if bad or args.run_dir or args.overwrite:
                     raise UsageError(f"--resume takes the run directory and KEY=VALUE overrides only, not "
                                      f"{(bad or ['--run-dir' if args.run_dir else '--overwrite'])[0]!r} (the run's own recipe.yaml is used)")
-                summary = resume(args.resume, overrides, progress=not args.quiet)
+                summary = resume(args.resume, overrides, progress=not args.quiet, trust_run_dir=args.trust_run_dir)
             else:
                 if not args.recipe:
                     raise UsageError("streamrl run needs a RECIPE (or --resume RUN_DIR)")
+                if args.trust_run_dir:
+                    raise UsageError("--trust-run-dir goes with --resume RUN_DIR")
                 summary = run(load_recipe(args.recipe, args.overrides), args.run_dir, progress=not args.quiet,
                               overwrite=args.overwrite)
         except RunLost as e:
@@ -300,10 +308,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         try:
             if args.steps:
                 a, b = rp.parse_steps(args.steps)
-                rows = rp.replay_steps(args.run_dir, a, b, progress=not args.json)
+                rows = rp.replay_steps(args.run_dir, a, b, progress=not args.json, trust_run_dir=args.trust_run_dir)
                 title = f"replay of steps {a}-{b} (from the checkpoint of version {rows[0]['start_version']})"
             else:
-                rows = rp.replay_where(args.run_dir, args.where, progress=not args.json)
+                rows = rp.replay_where(args.run_dir, args.where, progress=not args.json,
+                                       trust_run_dir=args.trust_run_dir)
                 title = f"replay of {sum(r['groups'] for r in rows)} groups where {args.where}"
         except rp.ReplayError as e:
             raise UsageError(str(e)) from None

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.recipe import Recipe, learner_layout
+from streamrl.runtime.user_code import UntrustedCode, load_run_recipe
 
 GROUP_COLUMNS = ("group_id", "prompt_id", "producer_id", "status", "n_samples", "min_version", "max_version",
                  "consumed_step", "consumed_version", "created_ns", "drop_reason", "reward_mean", "reward_std",
@@ -58,14 +59,17 @@ def parse_steps(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def load_run(run_dir: str | Path) -> Recipe:
-    from streamrl.recipe import load_recipe
+def load_run(run_dir: str | Path, trust_run_dir: bool = False) -> Recipe:
+    """The run's recipe, its user code imported as `--resume` does (runtime/user_code.py)."""
     from streamrl.runtime.run import RECIPE
 
     d = Path(run_dir)
     if not (d / RECIPE).is_file():
         raise ReplayError(f"{d} has no {RECIPE}: not a StreamRL run directory (or one from before runs kept it)")
-    return load_recipe(d / RECIPE)
+    try:
+        return load_run_recipe(d, trust=trust_run_dir)
+    except UntrustedCode as e:
+        raise ReplayError(str(e)) from None
 
 
 def _learner(r: Recipe, run_dir: Path) -> Any:
@@ -106,13 +110,14 @@ def _original(run_dir: Path) -> dict[int, dict[str, Any]]:
     return {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}  # a resumed run: its last row wins
 
 
-def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = True) -> list[dict[str, Any]]:
+def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = True,
+                 trust_run_dir: bool = False) -> list[dict[str, Any]]:
     """Rows {step, groups, loss, grad_norm, orig_loss, orig_grad_norm, ...} for steps first..last."""
     from tqdm import tqdm
 
 
     d = Path(run_dir)
-    r = load_run(d)
+    r = load_run(d, trust_run_dir)
     drv = _learner(r, d)
     batches = drv.consumed_steps(0, last)
     missing = [s for s in range(first, last + 1) if s not in batches]
@@ -153,13 +158,14 @@ def select_groups(run_dir: str | Path, where: str) -> list[dict[str, Any]]:
     return t.to_pylist()
 
 
-def replay_where(run_dir: str | Path, where: str, progress: bool = True) -> list[dict[str, Any]]:
+def replay_where(run_dir: str | Path, where: str, progress: bool = True,
+                 trust_run_dir: bool = False) -> list[dict[str, Any]]:
     """Train on the selected groups, `groups_per_step` at a time; one row per batch."""
     from tqdm import tqdm
 
 
     d = Path(run_dir)
-    r = load_run(d)
+    r = load_run(d, trust_run_dir)
     groups = select_groups(d, where)
     if not groups:
         raise ReplayError(f"--where {where!r} selects no group in {d / 'pool'}")
