@@ -19,10 +19,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
+from aiohttp.test_utils import TestClient, TestServer
 
-from streamrl.core.types import VersionSpan
+from streamrl.core.types import VersionSpan, to_json
 from streamrl.connectors.sglang import engine_server
 from streamrl.pools import LancePool
+from streamrl.producers.api_process import open_service
 from streamrl.producers.episode import Episode
 from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import RecipeError, dump_recipe, load_recipe, parse_recipe
@@ -283,3 +286,59 @@ def test_resume_refuses_a_changed_module_and_shows_an_unchanged_one(stopped_run:
     module.write_text(module.read_text() + "x = 1\n")
     with pytest.raises(run_module.RunFailed, match=rf"{name} \(reward.fn\): {module} changed since the run"):
         run_module.resume(d)
+
+
+# ---------------------------------------------------------------- producer API
+
+
+@pytest.fixture
+def producer_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A run directory the producer API can serve (paths relative to tmp_path, the working directory)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"vocab_size": 50_000, "max_position_embeddings": 256}))
+    (tmp_path / "run").mkdir()
+    recipe = {"run": {"name": "ext", "dir": "run", "mode": "stream"}, "model": {"path": "model"},
+              "data": {"path": "train.jsonl"}, "rollout": {"workers": 0, "n_samples": 2, "groups_per_step": 2},
+              "producer_api": {"enabled": True}}
+    (tmp_path / "run" / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "run"
+
+
+def test_producer_metadata_is_bounded_and_unknown_group_fields_are_refused(producer_run: Path) -> None:
+    """Today a submission nested 100,000 levels deep was a 500 and unknown fields inside a group
+    (a misspelt `loss_mask`) were stored silently."""
+    good = json.loads(to_json(make_group("env:e0:p0", n=2)))
+
+    def body(**change: Any) -> bytes:
+        g = json.loads(json.dumps(good))
+        for path, value in change.items():
+            node, *keys = path.split("__")
+            target = g if node == "group" else g["samples"][0]
+            for k in keys[:-1]:
+                target = target[k]
+            target[keys[-1]] = value
+        return json.dumps({"lease_id": "none", "group": g}).encode()
+
+    deep = b'{"lease_id": "x", "group": {"metadata": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}}"
+
+    async def go() -> list[tuple[int, str]]:
+        svc = open_service(producer_run, quiet=True)
+        token = (producer_run / "producer_token").read_text().strip()
+        out = []
+        async with TestClient(TestServer(svc.app())) as c:
+            for b in (deep, body(group__metadata={"a": json.loads("[" * 40 + "]" * 40)}),
+                      body(group__metadata={"blob": "x" * 100_000}), body(group__lossmask=[1]),
+                      body(sample__los_mask=[1, 1])):
+                r = await c.post("/v1/groups", data=b, headers={"Authorization": f"Bearer {token}",
+                                                                 "Content-Type": "application/json"})
+                out.append((r.status, (await r.json())["error"]["reason"]))
+        svc.pool.close()
+        return out
+
+    (s_deep, deep_why), (s_nest, nest_why), (s_big, big_why), (s_g, g_why), (s_s, s_why) = asyncio.run(go())
+    assert s_deep == 400 and "nests too deeply" in deep_why
+    assert s_nest == 422 and "group.metadata nests more than 16 levels" in nest_why
+    assert s_big == 422 and "group.metadata is 100011 bytes" in big_why
+    assert s_g == 422 and "lossmask" in g_why
+    assert s_s == 422 and "los_mask" in s_why
