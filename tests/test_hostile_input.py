@@ -30,6 +30,7 @@ from streamrl.producers.episode import Episode
 from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import RecipeError, dump_recipe, load_recipe, parse_recipe
 from streamrl.runtime import run as run_module
+from streamrl.runtime import steps as steps_module
 from streamrl.runtime.user_code import record_modules
 from streamrl.tools import cli
 from streamrl.tools.cli import main
@@ -342,3 +343,54 @@ def test_producer_metadata_is_bounded_and_unknown_group_fields_are_refused(produ
     assert s_big == 422 and "group.metadata is 100011 bytes" in big_why
     assert s_g == 422 and "lossmask" in g_why
     assert s_s == 422 and "los_mask" in s_why
+
+
+# ---------------------------------------------------------------- a run that waits
+
+
+class _Done(Exception):
+    pass
+
+
+class _Polls:
+    """A learner whose claim finds no batch `n` times, then stops the test."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.train_step = SimpleNamespace(remote=self._claim)
+        self.stale_dropped = SimpleNamespace(remote=self._zero)
+
+    async def _claim(self, *_: Any) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise _Done
+
+    async def _zero(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_step_waiting_for_producers_says_so_in_the_run_log(workers: int, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Today a run with rollout workers and a producer API share that no producer fills wrote
+    nothing to run.log while it waited."""
+    r = parse_recipe(f"model:\n  path: m\ndata:\n  path: d\nrollout: {{workers: {workers}}}\n"
+                     "producer_api: {enabled: true}\n")
+    lines: list[str] = []
+    rt = steps_module.Steps.__new__(steps_module.Steps)
+    rt.r, rt.per_step, rt.max_staleness, rt.learner = r, 4, 1, _Polls(3)
+    rt.svc, rt.log = SimpleNamespace(dir=tmp_path), SimpleNamespace(info=lines.append, warn=lines.append)
+
+    async def nothing(*_: Any) -> Any:
+        return False
+
+    rt.crew = SimpleNamespace(check_streams=nothing, hand_over_lost=nothing)
+    monkeypatch.setattr(rt, "_grow_budget_if_starved", nothing, raising=False)
+    monkeypatch.setattr(rt, "_count_stale_drops", nothing, raising=False)
+    monkeypatch.setattr(steps_module, "STALL_LOG_S", 0.0)
+    with pytest.raises(_Done):
+        asyncio.run(rt.train_step(7, ["stream"] * workers or None))
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("step 7: waiting") and "batch of 4 groups" in lines[0]
+    assert "external producers" in lines[0] and str(tmp_path / "producer.json") in lines[0]
+    assert ("rollout workers" in lines[0]) == bool(workers)
