@@ -19,16 +19,19 @@ from typing import Any
 
 import aiohttp
 import pytest
+import ray.exceptions
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from streamrl.core.types import VersionSpan, to_json
+from streamrl.connectors.megatron.checkpoint import CheckpointError
 from streamrl.connectors.sglang import engine_server
 from streamrl.pools import LancePool
 from streamrl.producers.api_process import open_service
 from streamrl.producers.episode import Episode
 from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import RecipeError, dump_recipe, load_recipe, parse_recipe
+from streamrl.runtime import RunFailed, resume as resume_module
 from streamrl.runtime import run as run_module
 from streamrl.runtime import steps as steps_module
 from streamrl.runtime.user_code import record_modules
@@ -394,3 +397,17 @@ def test_a_step_waiting_for_producers_says_so_in_the_run_log(workers: int, tmp_p
     assert lines[0].startswith("step 7: waiting") and "batch of 4 groups" in lines[0]
     assert "external producers" in lines[0] and str(tmp_path / "producer.json") in lines[0]
     assert ("rollout workers" in lines[0]) == bool(workers)
+
+
+def test_a_tampered_checkpoint_on_resume_is_one_line(tmp_path: Path) -> None:
+    """Today the learner's refusal reached the user as an 85-line Ray traceback with exit 1."""
+    why = f"checkpoint {tmp_path}/step_00000003: file model.pt is damaged: sha256 mismatch"
+
+    async def refuse(root: str) -> None:
+        raise ray.exceptions.RayTaskError("restore", f"Traceback ...\nCheckpointError: {why}",
+                                          CheckpointError(why)).as_instanceof_cause()
+
+    learner = SimpleNamespace(restore=SimpleNamespace(remote=refuse))
+    with pytest.raises(RunFailed) as ei:
+        asyncio.run(resume_module.restore(learner, tmp_path, None, 1))
+    assert str(ei.value).startswith(f"cannot resume {tmp_path}: {why}.") and "\n" not in str(ei.value)
