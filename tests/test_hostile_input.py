@@ -64,10 +64,23 @@ class FakeEngine:
                                version_spans=lambda: [VersionSpan(0, 0, n)])
 
 
-async def _ask(tok: Any, bodies: list[dict[str, Any]], max_new_tokens: int = 8,
-               max_context: int = 256) -> tuple[list[tuple[int, dict[str, Any]]], Episode, FakeEngine]:
+class ScriptEngine(FakeEngine):
+    """Writes `text` (as far as it is asked to)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        super().__init__(0)
+        self.ids = ids
+
+    async def generate(self, ids: list[int], sp: Any) -> Any:
+        out = self.ids[:sp.max_new_tokens]
+        return SimpleNamespace(output_ids=out, logprobs=[-0.5] * len(out), finish_type="stop",
+                               version_spans=lambda: [VersionSpan(0, 0, len(out))])
+
+
+async def _ask(tok: Any, bodies: list[dict[str, Any]], max_new_tokens: int = 8, max_context: int = 256,
+               engine: Any = None) -> tuple[list[tuple[int, dict[str, Any]]], Episode, FakeEngine]:
     """Send `bodies` in order as turns of one episode; (status, JSON) of each."""
-    engine = FakeEngine(tok("a", add_special_tokens=False)["input_ids"][0])
+    engine = engine or FakeEngine(tok("a", add_special_tokens=False)["input_ids"][0])
     ep = Episode(engine, tok, sampling={"temperature": 1.0}, max_new_tokens=max_new_tokens, max_context=max_context)
     proxy = OpenAIProxy()
     await proxy.start()
@@ -135,6 +148,18 @@ def test_max_tokens_is_capped_by_the_recipe_and_must_be_positive(tok: Any) -> No
     assert "max_tokens is 0" in results[1][1]["error"]["message"]
     assert "max_completion_tokens is -1" in results[2][1]["error"]["message"]
     assert all("http" not in r[1]["error"]["message"] for r in results[1:])
+
+
+def test_a_tool_call_cut_by_a_stop_string_says_so(tok: Any) -> None:
+    """Today the reason given was "cut by max_tokens?"."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"x": 1}} END more'
+    engine = ScriptEngine(tok(text, add_special_tokens=False)["input_ids"])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    ((status, body),), _, _ = asyncio.run(_ask(tok, [{"messages": [USER], "tools": tools, "stop": ["END"]}],
+                                               max_new_tokens=64, engine=engine))
+    assert status == 200, body
+    assert body["choices"][0]["streamrl"]["tool_call_error"] == \
+        "tool call 0 has no </tool_call> (the reply ended at a stop string)"
 
 
 # ---------------------------------------------------------------- pool SQL
