@@ -6,6 +6,7 @@ where only the proxy's own checks are under test."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import signal
 import socket
@@ -304,6 +305,13 @@ def test_resume_runs_no_module_the_run_directory_planted(stopped_run: tuple[Path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and evil in err and "--trust-run-dir" in err, err
     assert not marker.exists()
+    # The record is in the run directory too: a forged one naming the planted module is no better.
+    planted = d / f"{evil}.py"
+    (d / "user_modules.json").write_text(json.dumps([{
+        "module": evil, "path": str(planted.resolve()), "search_path": str(d.resolve()),
+        "sha256": hashlib.sha256(planted.read_bytes()).hexdigest()}]))
+    assert main(["run", "--resume", str(d), "--quiet"]) == 2 and not marker.exists()
+    assert evil in capsys.readouterr().err
     assert main(["run", "--resume", str(d), "--trust-run-dir", "--quiet"]) == 0 and marker.exists()
 
 

@@ -153,8 +153,9 @@ def load_run_recipe(run_dir: str | Path, overrides: list[str] | None = None, *, 
     unchecked = load_recipe(path, overrides, resolve=False)
     recorded = _recorded(d)
     by_name = {m["module"]: m for m in recorded or []}
-    for m in recorded or []:
-        if m.get("search_path") and m["search_path"] not in sys.path:
+    for m in recorded or []:  # the record is in the run directory too: it may not point back into it
+        if m.get("search_path") and m["search_path"] not in sys.path \
+                and not Path(m["search_path"]).resolve().is_relative_to(inside):
             sys.path.append(m["search_path"])
     installed, problems, shown = _installed(), [], []
     for key, fn in fn_paths(unchecked):
@@ -165,6 +166,8 @@ def load_run_recipe(run_dir: str | Path, overrides: list[str] | None = None, *, 
                     continue  # streamrl, the standard library, an installed package: not the run directory's
                 where = f"{found}" if found is not None else "not found outside the run directory"
                 problems.append(f"{name} ({key}; {where}): not loaded by the run when it started")
+            elif found is not None and found.is_relative_to(inside):
+                problems.append(f"{name} ({key}): {found} is in the run directory")
             elif found is None or str(found) != was["path"]:
                 problems.append(f"{name} ({key}): the run loaded {was['path']}, now "
                                 f"{found if found is not None else 'not found'}")
