@@ -27,6 +27,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from streamrl.core.types import VersionSpan, to_json
 from streamrl.connectors.megatron.checkpoint import CheckpointError
 from streamrl.connectors.sglang import engine_server
+from streamrl.connectors.sglang.client import EngineError
 from streamrl.pools import LancePool
 from streamrl.producers.api_process import open_service
 from streamrl.producers.episode import Episode
@@ -58,9 +59,8 @@ class FakeEngine:
     async def generate(self, ids: list[int], sp: Any) -> Any:
         n = sp.max_new_tokens
         self.asked.append(n)
-        if n < 1:  # what the router answers to a bad budget: a 4xx naming its own address
-            raise aiohttp.ClientResponseError(None, (), status=400,  # type: ignore[arg-type]
-                                              message="bad max_new_tokens, url=http://127.0.0.1:31000/generate")
+        if n < 1:  # what the client raises for the router's 4xx: it names the router's address
+            raise EngineError("http://127.0.0.1:31000/generate", 400, "max_new_tokens must be positive")
         return SimpleNamespace(output_ids=[self.token] * n, logprobs=[-0.5] * n, finish_type="length",
                                version_spans=lambda: [VersionSpan(0, 0, n)])
 
@@ -151,6 +151,17 @@ def test_max_tokens_is_capped_by_the_recipe_and_must_be_positive(tok: Any) -> No
     assert all("http" not in r[1]["error"]["message"] for r in results[1:])
 
 
+class BrokenEngine(FakeEngine):
+    async def generate(self, ids: list[int], sp: Any) -> Any:
+        raise EngineError("http://127.0.0.1:31000/generate", 400, "bad sampling parameter")  # as the client does
+
+
+def test_engine_errors_reach_the_agent_without_internal_addresses(tok: Any) -> None:
+    ((status, body),), _, _ = asyncio.run(_ask(tok, [{"messages": [USER]}], engine=BrokenEngine(0)))
+    assert status == 400 and "generation failed" in body["error"]["message"], body
+    assert "127.0.0.1" not in body["error"]["message"] and "<engine>" in body["error"]["message"]
+
+
 def test_a_tool_call_cut_by_a_stop_string_says_so(tok: Any) -> None:
     """Today the reason given was "cut by max_tokens?"."""
     text = '<tool_call>\n{"name": "f", "arguments": {"x": 1}} END more'
@@ -177,6 +188,7 @@ def small_run(run_dir: Path) -> Path:
 @pytest.mark.parametrize("sql", [
     "COPY (SELECT 42) TO '{out}'",
     "SELECT * FROM read_csv('/etc/hostname')",
+    "SELECT * FROM glob('/etc/*')",
     "ATTACH '{out}.db'",
     "INSTALL httpfs",
     "LOAD httpfs",
@@ -305,6 +317,8 @@ def test_resume_runs_no_module_the_run_directory_planted(stopped_run: tuple[Path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and evil in err and "--trust-run-dir" in err, err
     assert not marker.exists()
+    assert main(["replay", str(d), "--steps", "0"]) == 2 and evil in capsys.readouterr().err
+    assert not marker.exists()
     # The record is in the run directory too: a forged one naming the planted module is no better.
     planted = d / f"{evil}.py"
     (d / "user_modules.json").write_text(json.dumps([{
@@ -340,6 +354,16 @@ def producer_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "run" / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     monkeypatch.chdir(tmp_path)
     return tmp_path / "run"
+
+
+def test_produce_serve_imports_no_user_code(producer_run: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    evil = f"evil_{uuid.uuid4().hex[:8]}"
+    (producer_run / f"{evil}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef score(*a):\n    return 1\n")
+    recipe = yaml.safe_load((producer_run / "recipe.yaml").read_text())
+    (producer_run / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "reward": {"fn": f"{evil}:score"}}))
+    open_service(producer_run, quiet=True).pool.close()
+    assert not marker.exists()
 
 
 def test_producer_metadata_is_bounded_and_unknown_group_fields_are_refused(producer_run: Path) -> None:
