@@ -286,17 +286,11 @@ class ProducerService:
         else:
             raise Refused(415, "bad_request", f"Content-Type {ctype!r}: send application/json or application/msgpack")
         try:
-            sub = decode(body, intake.Submission)
+            return decode(body, intake.Submission)
         except msgspec.ValidationError as e:
             raise Refused(422, "invalid", f"invalid submission: {e}") from None
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: nested deeper than msgspec decodes
             raise Refused(400, "undecodable", f"body is not valid {what}: {e}") from None
-        except RecursionError:
-            raise Refused(400, "undecodable", f"body nests too deeply to decode; metadata may nest "
-                                              f"{intake.MAX_METADATA_DEPTH} levels") from None
-        if (why := intake.metadata_problem(sub.group)) is not None:
-            raise Refused(422, "invalid", f"invalid submission: {why}")
-        return sub
 
     async def _submit(self, request: web.Request) -> web.Response:
         sub = self._decode(request, await self._body(request))

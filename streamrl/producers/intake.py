@@ -36,6 +36,10 @@ class Submission(msgspec.Struct, forbid_unknown_fields=True):
     lease_id: str
     group: SampleGroup
 
+    def __post_init__(self) -> None:  # checked at decoding, before leases and dedup look at the group
+        if (why := metadata_problem(self.group)) is not None:
+            raise ValueError(why)
+
 
 def producer_id_problem(producer_id: str) -> str | None:
     if not PRODUCER_ID.match(producer_id):
