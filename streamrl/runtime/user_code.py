@@ -68,9 +68,9 @@ def runtime_env(recipe: Any, env_vars: dict[str, str]) -> dict[str, Any]:
 
 
 def locate(module: str) -> list[tuple[str, Path | None]]:
-    """(dotted name, the file that would run) for `module` and each package above it, found the
-    way `import` finds them but without running any of them; a name not found ends the list
-    with None."""
+    """(dotted name, the file that would run) for `module` and each package above it that has
+    one, found the way `import` finds them but without running any of them; a name not found
+    ends the list with None."""
     parts, out = module.split("."), []
     try:
         spec = importlib.util.find_spec(parts[0])  # a top-level name: found, not imported
@@ -83,8 +83,8 @@ def locate(module: str) -> list[tuple[str, Path | None]]:
             spec = importlib.machinery.PathFinder.find_spec(name, where) if where else None
         if spec is None:
             return [*out, (name, None)]
-        origin = spec.origin if spec.has_location and spec.origin else None
-        out.append((name, Path(origin).resolve() if origin else None))
+        if spec.has_location and spec.origin:  # a namespace package or a built-in runs no file
+            out.append((name, Path(spec.origin).resolve()))
     return out
 
 
@@ -103,14 +103,14 @@ def user_modules(recipe: Recipe) -> list[dict[str, str]]:
     installed, out, seen = _installed(), [], set()
     for _, fn in fn_paths(recipe):
         chain = locate(fn.partition(":")[0])
-        top = chain[0][1]
-        root = (top.parent.parent if top is not None and top.name == "__init__.py" else top.parent) if top else None
+        top = chain[0][1] if chain and "." not in chain[0][0] else None
+        root = (top.parent.parent if top.name == "__init__.py" else top.parent) if top else None
         for name, path in chain:
             if name in seen or not _is_user(name, path, installed):
                 continue
             seen.add(name)
             out.append({"module": name, "path": str(path), "sha256": _sha256(path),  # type: ignore[arg-type]
-                        "search_path": str(root)})
+                        "search_path": str(root) if root else ""})
     return out
 
 
