@@ -189,7 +189,8 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     q = ps.add_parser("query", help="DuckDB SQL over the pool (tables `pool`, `admissions`, `claims`)",
-                      description="Run SQL over the pool. Only the columns the query names are read, so avoid "
+                      description="Run one SELECT over the pool, read-only (no COPY, ATTACH, INSTALL, LOAD or file "
+                                  "functions). Only the columns the query names are read, so avoid "
                                   "SELECT * on big pools. Schema: pools/schema.py.")
     q.add_argument("run_dir")
     q.add_argument("sql")
