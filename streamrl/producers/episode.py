@@ -163,7 +163,7 @@ class Episode:
             parsed = chat.parse_tool_calls(t.text, names) if tools and parse_tools else chat.ParsedReply(t.text)
             t.content, t.tool_call_error = parsed.content, parsed.error
             if parsed.error and parsed.error.endswith(f"has no {chat.TOOL_CALL_CLOSE}"):
-                ended = "a stop string" if t.stopped else "max_tokens" if t.finish == "length" else "end of turn"
+                ended = "a stop string" if t.stopped else "max_tokens" if t.finish == "length" else "the model's end of turn"
                 t.tool_call_error = f"{parsed.error} (the reply ended at {ended})"
             t.tool_calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
                              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}

@@ -50,7 +50,8 @@ from streamrl.producers.episode import Episode, EpisodeError, Turn
 log = logging.getLogger("streamrl.producers.openai_proxy")
 
 MAX_N = 128  # OpenAI's limit on `n`
-INTERNAL_URL = re.compile(r"\bhttps?://[^\s'\"]+")
+# URLs and host:port pairs (aiohttp's connection errors name the host without a scheme)
+INTERNAL_URL = re.compile(r"\bhttps?://[^\s'\"]+|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\blocalhost:\d+")
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
