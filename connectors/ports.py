@@ -16,6 +16,7 @@ somebody else's server). Two ways close it:
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from collections.abc import Callable, Iterable
@@ -26,6 +27,24 @@ T = TypeVar("T")
 
 LOOPBACK = "127.0.0.1"
 ADDRESS_IN_USE_TEXT = ("address already in use", "addrinuse", "errno 98", "os error 98")
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it could resolve anywhere
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """True for 0.0.0.0, :: and the empty host: every interface, so every network the machine is on."""
+    try:
+        return not host or ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 class PortTaken(OSError):

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from streamrl.pools.queries import load_decoder
 from streamrl.pools.reads import ROW_ID, Snapshot
 from streamrl.pools.schema import POOL_SCHEMA, SPAN_TYPE
+from streamrl.pools.sql import check_where
 
 if TYPE_CHECKING:
     from streamrl.pools.lance_pool import LancePool  # the pool is passed in: opening one is pools.open_pool's
@@ -268,6 +269,8 @@ def export(pool: LancePool, out: str, *, where: str | None = None, kind: str = "
            tokenizer: str | None = None, progress: bool = True, batch_rows: int = 1024) -> dict[str, Any]:
     """Write the rows `where` selects (SQL over the pool's columns, claims applied) as `kind` rows
     in `fmt` (default from `out`'s suffix) and return a summary."""
+    if where is not None:  # before Lance or DuckDB sees it: one filter expression, never a second statement
+        check_where(where)
     if kind not in KINDS:
         raise ExportError(f"--kind {kind!r}: choose one of {', '.join(KINDS)}")
     fmt = fmt or guess_format(out)

@@ -17,22 +17,12 @@ from tokenizers import Tokenizer
 from streamrl.core.claims import apply_claims
 from streamrl.core.ledger import compute_ledger
 from streamrl.pools.schema import ADMISSIONS_SCHEMA, ADMISSIONS_TABLE, META_COLUMNS, POOL_SCHEMA
+from streamrl.pools.sql import check_select, connect, run
 
 if TYPE_CHECKING:
     from streamrl.pools.lance_pool import LancePool  # the pool is passed in: opening one is pools.open_pool's
 
 STATS_VERSION = 1
-
-
-class QueryError(ValueError):
-    """DuckDB rejected a query; the message is its first line."""
-
-
-def _duckdb() -> Any:
-    # duckdb loads on the first query, not on import: the CLI imports this module for every command.
-    import duckdb
-
-    return duckdb
 
 
 def pool_stats(pool: LancePool) -> dict[str, Any]:
@@ -43,7 +33,7 @@ def pool_stats(pool: LancePool) -> dict[str, Any]:
     adm = pool.scan(["group_id", "n"], table=ADMISSIONS_TABLE)
     ledger = compute_ledger(adm, stored.select(["group_id", "sample_index", "status"]), claims)
     meta = apply_claims(stored, claims)
-    con = _duckdb().connect()
+    con = connect()
     con.register("pool", meta)
 
     def rows(sql: str) -> list[tuple[Any, ...]]:
@@ -89,19 +79,16 @@ def _mentioned(sql: str, schema: pa.Schema) -> list[str]:
 
 
 def pool_query(pool: LancePool, sql: str) -> pa.Table:
-    """Run DuckDB SQL over the pool (table `pool`, claims applied), the ledger's `admissions` table
-    and the learner's `claims`. Raises QueryError when DuckDB rejects the query."""
-    duckdb = _duckdb()
-    con = duckdb.connect()
+    """Run one DuckDB SELECT over the pool (table `pool`, claims applied), the ledger's `admissions`
+    table and the learner's `claims`, read-only (pools/sql.py); QueryError when refused or failed."""
+    check_select(sql)
+    con = connect()
     con.register("pool", pool.scan(_mentioned(sql, POOL_SCHEMA)))
     if re.search(r"\badmissions\b", sql):
         con.register("admissions", pool.scan(_mentioned(sql, ADMISSIONS_SCHEMA), table=ADMISSIONS_TABLE))
     if re.search(r"\bclaims\b", sql):
         con.register("claims", pool.claims())
-    try:
-        return con.sql(sql).to_arrow_table()
-    except duckdb.Error as e:
-        raise QueryError((str(e).splitlines() or [type(e).__name__])[0]) from None
+    return run(con, sql)
 
 
 def load_decoder(path: str | None) -> Any:

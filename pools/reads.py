@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from streamrl.core.claims import CLAIM_COLUMNS, apply_claims
 from streamrl.pools.schema import CLAIMS_SCHEMA, POOL_SCHEMA
+from streamrl.pools.sql import check_where, connect
 
 _CLAIMED = set(CLAIM_COLUMNS)
 _POS = "__streamrl_pos"
@@ -72,10 +73,11 @@ def matching_positions(ds: Any, claims: pa.Table, where: str) -> np.ndarray:
     """Row positions (in `ds`'s scan order) of the rows `where` selects once claims apply."""
     import duckdb
 
+    check_where(where)
     named = sorted(columns_in(where, POOL_SCHEMA.names) | {"group_id"})
     narrow = apply_claims(ds.to_table(columns=named), claims)
     narrow = narrow.append_column(_POS, pa.array(np.arange(narrow.num_rows, dtype=np.int64)))
-    con = duckdb.connect()
+    con = connect()
     con.register("pool", narrow)
     try:
         hit = con.sql(f"SELECT {_POS} FROM pool WHERE {where}").to_arrow_table()[_POS]

@@ -181,7 +181,7 @@ def test_openai_client_through_the_proxy_records_the_conversation(engine: Any, t
                 r = await oa.chat.completions.create(model="x", messages=msgs, logprobs=True)
                 answers.append(r.choices[0].message.content)
                 if tool:
-                    msgs += [{"role": "assistant", "content": answers[-1]}, {"role": "tool", "content": tool}]
+                    msgs += [{"role": "assistant", "content": answers[-1]}, {"role": "tool", "tool_call_id": "t", "content": tool}]
             errors = {}
             for name, call in {
                 "bad_key": openai.AsyncOpenAI(base_url=ep.base_url, api_key="nope", max_retries=0)
@@ -189,7 +189,7 @@ def test_openai_client_through_the_proxy_records_the_conversation(engine: Any, t
                 "n": oa.chat.completions.create(model="x", messages=msgs, n=0),
                 "edited": oa.chat.completions.create(model="x", messages=[
                     {"role": "user", "content": "12+3="}, {"role": "assistant", "content": "999"},
-                    {"role": "tool", "content": "1"}]),
+                    {"role": "tool", "tool_call_id": "t", "content": "1"}]),
             }.items():
                 try:
                     await call

@@ -281,7 +281,7 @@ def test_n_replies_and_the_conversation_continues_from_the_one_sent_back(engine:
             else:
                 pytest.fail(f"4 sampled replies were never distinct: {texts}")
             await oa.chat.completions.create(model="x", messages=[user, r.choices[k].message,
-                                                                   {"role": "tool", "content": "15+4="}], max_tokens=3)
+                                                                   {"role": "tool", "tool_call_id": "t", "content": "15+4="}], max_tokens=3)
             ended, oa2 = new()
             last = await oa2.chat.completions.create(model="x", messages=[user], n=2, max_tokens=6, logprobs=True)
             return ep, r, k, ended, last

@@ -532,7 +532,7 @@ def test_sft_lr_schedule_is_constant_unless_asked() -> None:
 def test_network_bind_node_refuses_an_explicit_host_too():
     assert parse_recipe(MINIMAL + "network: {bind: node}\n").network.bind == "node"
     assert parse_recipe(MINIMAL).network.bind == "loopback"  # nothing leaves the machine by default
-    with pytest.raises(RecipeError, match=r"engines\.host: is '0\.0\.0\.0' and network\.bind is node"):
-        parse_recipe(MINIMAL + "network: {bind: node}\nengines: {host: 0.0.0.0}\n")
+    with pytest.raises(RecipeError, match=r"engines\.host: is '10\.0\.0\.5' and network\.bind is node"):
+        parse_recipe(MINIMAL + "network: {bind: node}\nengines: {host: 10.0.0.5}\n")
     with pytest.raises(RecipeError, match=r"network\.bind: Invalid enum value 'all'"):
         parse_recipe(MINIMAL + "network: {bind: all}\n")

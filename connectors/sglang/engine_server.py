@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -513,6 +514,21 @@ class _DropRouterProbes(logging.Filter):
         return not (record.exc_info and "PRI/Upgrade" in str(record.exc_info[1]))
 
 
+EXIT_GRACE_S = 3.0  # SIGTERM to exit: what open requests get before the process goes anyway
+
+
+async def _exit_on_sigterm(_: web.Application) -> None:
+    """SIGTERM stops the server gracefully, and the process exits EXIT_GRACE_S later whatever is
+    still running: a request blocked in a worker thread (a weight-group join whose master never
+    answers) would otherwise hold aiohttp's shutdown and the executor's join for minutes. Through
+    the loop (not signal.signal), so that the signal wakes it wherever the kernel delivers it."""
+    def on_term() -> None:
+        threading.Timer(EXIT_GRACE_S, os._exit, args=(0,)).start()
+        raise web.GracefulExit()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
+
+
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
           weight_version: str = "0", seed: int = 0, threads: int = 1, cpus: list[int] | None = None,
           idle: bool = False, sock_fd: int | None = None, weights_root: str | None = None, tp: int = 1) -> None:
@@ -540,4 +556,6 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_runnin
     sock = socket.socket(fileno=sock_fd) if sock_fd is not None else listen_socket(host, port)
     if not port:
         print(f"embedded engine serving on http://{host}:{port_of(sock)}", flush=True)
-    web.run_app(server.app, sock=sock, print=lambda *_: None, access_log=None)
+    server.app.on_startup.append(_exit_on_sigterm)
+    web.run_app(server.app, sock=sock, print=lambda *_: None, access_log=None, handle_signals=False,
+                shutdown_timeout=EXIT_GRACE_S)

@@ -57,7 +57,9 @@ async def run(numbers: list[int], base_url: str, api_key: str, max_tokens: int =
             break
         total = calculator(expression)  # the tool keeps the chain exact even after a wrong answer
         expression = f"{total}+{nxt}"
-        messages += [{"role": "assistant", "content": answer}, {"role": "tool", "content": expression + "="}]
+        # OpenAI requires a tool message to name the call it answers; the template does not render the id.
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "tool", "tool_call_id": "calculator", "content": expression + "="}]
     return answers
 
 

@@ -36,6 +36,71 @@ def check_tools(tools: Any) -> str | None:
     return None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _content_problem(c: Any, where: str, role: str) -> str | None:
+    if isinstance(c, str):
+        return None
+    if not isinstance(c, list):
+        return f"{where} must be a string or an array of text parts, got {type(c).__name__} ({c!r:.40})"
+    for j, part in enumerate(c):
+        kinds = ("text", "refusal") if role == "assistant" else ("text",)
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = "refusal" if kind == "refusal" else "text"
+        if kind not in kinds or not isinstance(part.get(key), str):
+            # Images and audio would reach the chat template as nothing: the model would be trained without them.
+            return (f"{where}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}} (this endpoint serves text "
+                    f"only), got {part!r:.80}")
+    return None
+
+
+def _tool_calls_problem(calls: Any, where: str) -> str | None:
+    if not isinstance(calls, list):
+        return f"{where} must be an array of tool calls, got {type(calls).__name__}"
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(c, dict) or not isinstance(c.get("id"), str) or c.get("type", "function") != "function" \
+                or not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
+                or not isinstance(f.get("arguments"), str):
+            return (f'{where}[{j}] must be {{"id": "...", "type": "function", "function": {{"name": "...", '
+                    f'"arguments": "<JSON string>"}}}}, got {c!r:.100}')
+    return None
+
+
+def check_messages(messages: Any) -> str | None:
+    """Why `messages` is not an OpenAI chat conversation, or None when it is (the field path first,
+    as OpenAI's own 400s give it): a non-empty array; each message an object with a known `role`;
+    `content` a string or text parts, required except on an assistant message with `tool_calls`;
+    tool calls with an id, a function name and string arguments; `tool` messages with a
+    `tool_call_id`. Keys it does not know are ignored, as OpenAI ignores null ones."""
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty array of messages"
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            return f"{where} must be an object with a role and content, got {type(m).__name__}"
+        role = m.get("role")
+        if role not in ROLES:
+            return f"{where}.role must be one of {', '.join(ROLES)}, got {role!r:.40}"
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            return f"{where}.name must be a string, got {type(m['name']).__name__}"
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                return f"{where}.tool_calls is only allowed on an assistant message (role is {role!r})"
+            if (why := _tool_calls_problem(calls, f"{where}.tool_calls")) is not None:
+                return why
+        if "content" not in m or m["content"] is None:
+            if role != "assistant" or not calls:
+                return f"{where}.content is missing: a {role} message needs content (a string or text parts)"
+        elif (why := _content_problem(m["content"], f"{where}.content", role)) is not None:
+            return why
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            return f"{where}.tool_call_id is missing: a tool message answers a tool call and names its id"
+    return None
+
+
 @dataclass
 class ParsedReply:
     """A model turn read as OpenAI sees it: `content` (None when the turn is only tool calls),
@@ -68,7 +133,7 @@ def parse_tool_calls(text: str, names: Sequence[str] | None = None) -> ParsedRep
         calls.append(call)
         pos = m.end()
     if TOOL_CALL_OPEN in rest[pos:]:
-        return ParsedReply(text, error=f"tool call {len(calls)} has no {TOOL_CALL_CLOSE} (cut by max_tokens?)")
+        return ParsedReply(text, error=f"tool call {len(calls)} has no {TOOL_CALL_CLOSE}")
     return ParsedReply(text[:start].rstrip() or None, calls)
 
 

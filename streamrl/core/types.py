@@ -93,8 +93,9 @@ def _array(a: Any, dtype: type, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype).reshape(-1)
 
 
-class Sample(msgspec.Struct, kw_only=True):
-    """One response of a group. Arrays are aligned: one entry per response token."""
+class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One response of a group. Arrays are aligned: one entry per response token. An unknown
+    field is an error (a misspelt `loss_mask` must not train every token)."""
 
     index: int
     response_tokens: np.ndarray
@@ -131,7 +132,7 @@ class Sample(msgspec.Struct, kw_only=True):
         return len(self.response_tokens)
 
 
-class SampleGroup(msgspec.Struct, kw_only=True):
+class SampleGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The n responses to one prompt: the unit of streaming, filtering and consumption."""
 
     group_id: GroupId

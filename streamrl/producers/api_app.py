@@ -287,7 +287,7 @@ class ProducerService:
             return decode(body, intake.Submission)
         except msgspec.ValidationError as e:
             raise Refused(422, "invalid", f"invalid submission: {e}") from None
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: nested deeper than msgspec decodes
             raise Refused(400, "undecodable", f"body is not valid {what}: {e}") from None
 
     async def _submit(self, request: web.Request) -> web.Response:

@@ -48,7 +48,7 @@ def open_service(run_dir: str | Path, quiet: bool = False) -> ProducerService:
     if not (d / "recipe.yaml").is_file():
         raise ServiceError(f"{d} has no recipe.yaml: pass the directory of a run (`streamrl run` writes it)")
     try:
-        r = load_recipe(d / "recipe.yaml")
+        r = load_recipe(d / "recipe.yaml", resolve=False)  # the service calls no user function: import none
     except RecipeError as e:
         raise ServiceError(str(e)) from None
     if not r.producer_api.enabled:

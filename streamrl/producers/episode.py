@@ -66,6 +66,7 @@ class Turn:
     content: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     tool_call_error: str | None = None
+    stopped: bool = False  # the turn was cut after one of the request's stop strings
 
     @property
     def message(self) -> dict[str, Any]:
@@ -142,6 +143,8 @@ class Episode:
                                        [(t.tokens, t.message) for t in self._candidates], messages, tools)
         except ConversationError as e:
             raise EpisodeError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a template raising on what an agent sent fails that turn only
+            raise EpisodeError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from None
         # Nothing changes until the replies exist: a refused or failed turn leaves the episode as it was.
         kept = self.tokens[:self._turn_start] + self._candidates[chosen].tokens if chosen else self.tokens
         delta_ids = self._encode(delta)
@@ -160,6 +163,9 @@ class Episode:
         for t in turns:
             parsed = chat.parse_tool_calls(t.text, names) if tools and parse_tools else chat.ParsedReply(t.text)
             t.content, t.tool_call_error = parsed.content, parsed.error
+            if parsed.error and parsed.error.endswith(f"has no {chat.TOOL_CALL_CLOSE}"):
+                ended = "a stop string" if t.stopped else "max_tokens" if t.finish == "length" else "the model's end of turn"
+                t.tool_call_error = f"{parsed.error} (the reply ended at {ended})"
             t.tool_calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
                              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                             for c in parsed.calls]
@@ -189,7 +195,10 @@ class Episode:
         room = self.max_context - context
         if room <= 0:
             raise EpisodeError(f"the context has {context} tokens, the model's limit is {self.max_context}")
-        return min(max_new_tokens or self.max_new_tokens, room)
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise EpisodeError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
+        # The recipe's limit holds whatever an agent asks: it bounds the memory and time a turn takes.
+        return min(max_new_tokens or self.max_new_tokens, self.max_new_tokens, room)
 
     async def _sample(self, context: list[int], budget: int, stop: list[str] | None) -> Turn:
         """One reply to `context`, across engine calls (partial rollouts, engine failures)."""
@@ -222,7 +231,7 @@ class Episode:
             text = "".join(pieces)[:chars]
         else:
             text = self._decode(tokens)
-        return Turn(tokens, logprobs, versions, finish, text, content=text)
+        return Turn(tokens, logprobs, versions, finish, text, content=text, stopped=cut is not None)
 
     def _commit(self, turn: Turn) -> None:
         self._turn_start = len(self.tokens)

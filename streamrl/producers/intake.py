@@ -20,6 +20,10 @@ from streamrl.core.types import SampleGroup, number_problem, to_msgpack
 
 PRODUCER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 RESERVED_PREFIX = "rollout-"  # the run's own rollout workers
+# Metadata is stored as JSON beside every row and parsed by every reader of the pool: bounded so that
+# a producer cannot make the pool slow or impossible to read.
+MAX_METADATA_DEPTH = 16
+MAX_METADATA_BYTES = 64 * 1024
 
 
 # Wire bodies of the producer API (streamrl/producers/api_app.py).
@@ -31,6 +35,10 @@ class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True):
 class Submission(msgspec.Struct, forbid_unknown_fields=True):
     lease_id: str
     group: SampleGroup
+
+    def __post_init__(self) -> None:  # checked at decoding, before leases and dedup look at the group
+        if (why := metadata_problem(self.group)) is not None:
+            raise ValueError(why)
 
 
 def producer_id_problem(producer_id: str) -> str | None:
@@ -50,11 +58,37 @@ def content_sha256(group: SampleGroup) -> str:
     return hashlib.sha256(to_msgpack(canon)).hexdigest()
 
 
+def _depth_over(obj: object, limit: int) -> int | None:
+    """How deep `obj` nests, when deeper than `limit` (iterative: no recursion limit to hit)."""
+    stack, deepest = [(obj, 1)], 0
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict | list):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return None
+
+
+def metadata_problem(group: SampleGroup) -> str | None:
+    """Why the group's or a sample's metadata is too deep or too big, or None."""
+    for where, meta in (("group.metadata", group.metadata),
+                        *((f"group.samples[{i}].metadata", s.metadata) for i, s in enumerate(group.samples))):
+        if (depth := _depth_over(meta, MAX_METADATA_DEPTH)) is not None:
+            return f"{where} nests more than {MAX_METADATA_DEPTH} levels deep ({depth} at least); flatten it"
+        if (size := len(msgspec.json.encode(meta))) > MAX_METADATA_BYTES:
+            return f"{where} is {size} bytes as JSON; the limit is {MAX_METADATA_BYTES} (keep large data elsewhere)"
+    return None
+
+
 def check_group(group: SampleGroup, *, producer_id: str, n_samples: int | None, vocab_size: int | None,
                 max_tokens: int | None, published_version: int | None) -> str | None:
     """Why a decoded group is refused, or None when the run can train on it. A None limit is not
     checked (DirectProducer without a model config or a version). Lengths, masks and span tiling
     were already checked when the group was decoded (streamrl.core.types)."""
+    if (why := metadata_problem(group)) is not None:
+        return why
     if not group.group_id.startswith(f"{producer_id}:"):
         return (f"group_id {group.group_id!r} must start with '{producer_id}:' (the producer id), e.g. "
                 f"make_group_id({producer_id!r}, epoch, prompt_index)")

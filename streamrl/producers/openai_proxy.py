@@ -28,12 +28,14 @@ What agent frameworks use, as OpenAI does it:
 Sampling follows the recipe's rollout settings (temperature, top_p, top_k), whatever the agent
 asks (`temperature`, `seed`, ...): the learner's importance ratios assume the rollout's sampling
 distribution, and a fixed seed would make a group's samples identical. `max_tokens` is honoured
-up to rollout.max_new_tokens. Binds 127.0.0.1 only.
+up to rollout.max_new_tokens. Messages are checked as OpenAI checks them (chat.check_messages):
+a malformed one is a 400 naming its field, before anything is added to the episode. Binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from typing import Any
@@ -48,13 +50,15 @@ from streamrl.producers.episode import Episode, EpisodeError, Turn
 log = logging.getLogger("streamrl.producers.openai_proxy")
 
 MAX_N = 128  # OpenAI's limit on `n`
+# URLs and host:port pairs (aiohttp's connection errors name the host without a scheme)
+INTERNAL_URL = re.compile(r"\bhttps?://[^\s'\"]+|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\blocalhost:\d+")
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
     """The part of OpenAI's chat-completions request the proxy reads (other keys are ignored, as
     OpenAI-compatible servers do)."""
 
-    messages: list[dict[str, Any]]
+    messages: list[Any]  # checked by chat.check_messages, which names the offending field
     model: str = "streamrl"
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -75,8 +79,17 @@ def _n(req: ChatRequest) -> int:
     return 1 if req.n is None else req.n
 
 
+def _max_tokens(req: ChatRequest) -> int | None:
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
 def _check(req: ChatRequest) -> str | None:
     """Why the request cannot be served, or None."""
+    if (why := chat.check_messages(req.messages)) is not None:
+        return why
+    if (limit := _max_tokens(req)) is not None and limit < 1:
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        return f"{name} is {limit}; it must be at least 1 (leave it out for the run's rollout.max_new_tokens)"
     if not 1 <= _n(req) <= MAX_N:
         return f"n is {req.n}; it must be between 1 and {MAX_N}"
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
@@ -162,11 +175,12 @@ class OpenAIProxy:
             return _error(400, why)
         before = len(ep.tokens)
         try:
-            turns = await ep.complete(req.messages, req.max_completion_tokens or req.max_tokens, req.tools,
+            turns = await ep.complete(req.messages, _max_tokens(req), req.tools,
                                       n=_n(req), stop=[req.stop] if isinstance(req.stop, str) else req.stop,
                                       parse_tools=req.tool_choice != "none")
         except EpisodeError as e:
-            return _error(400, str(e))
+            # An engine error names the router's or an engine's address: the agent has no business with it.
+            return _error(400, INTERNAL_URL.sub("<engine>", str(e)))
         body = completion(ep, req, turns, len(ep.tokens) - before - len(ep.replies[-1].tokens))
         if not req.stream:
             return web.json_response(body)

@@ -3,6 +3,7 @@ one-line summary."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,13 @@ from typing import Any
 from streamrl.connectors.megatron.model_kit import PRESETS
 from streamrl.core import corrections
 from streamrl.recipe.schema import Recipe, learner_layout
+
+def _every_interface(host: str) -> bool:
+    try:
+        return not host or ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a host name
+        return False
+
 
 SECRET_WORDS = ("secret", "token", "password", "access_key_id", "account_key", "service_account_key", "sas_key")
 
@@ -24,6 +32,10 @@ def conflicts(r: Recipe) -> list[tuple[str, str]]:
         out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
                                             "the other modes generate each batch with the rollout workers"))
     out += _learner_conflicts(r)
+    for key, host in (("engines.host", r.engines.host), ("producer_api.host", r.producer_api.host)):
+        if _every_interface(host):
+            out.append((key, f"is {host!r}, every interface of the machine; give the one address to listen on "
+                             "(or network.bind: node for each node's cluster address)"))
     if r.network.bind == "node":
         for key, host in (("engines.host", r.engines.host), ("producer_api.host", r.producer_api.host)):
             if host != "127.0.0.1":

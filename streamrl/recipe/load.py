@@ -164,7 +164,10 @@ def _yaml_problem(e: yaml.YAMLError, where: str, text: str) -> str:
     return f"{where}:{line}: not valid YAML: {getattr(e, 'problem', None) or e}{detail}"
 
 
-def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None = None) -> Recipe:
+def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None = None,
+                 resolve: bool = True) -> Recipe:
+    """The recipe in `text`; with `resolve`, every function it names is imported (that runs the
+    module's code: see streamrl/runtime/user_code.py for recipes from a run directory)."""
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
         lines = _line_index(text)
@@ -181,7 +184,7 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
         raise RecipeError(_explain(e, where, lines, origin)) from None
     for key, problem in choice_problems(recipe):
         raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {problem}")
-    for key, fn in fn_paths(recipe):
+    for key, fn in fn_paths(recipe) if resolve else []:
         try:
             check_call(key, fn, resolve_fn(fn))
         except ValueError as e:
@@ -191,18 +194,19 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
     return recipe
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve: bool = True) -> Recipe:
     """The recipe at `path`; its directory joins the end of sys.path, so `fn: my_rewards:score`
-    may name a module kept next to the recipe (runs ship such modules to every Ray node)."""
+    may name a module kept next to the recipe (runs ship such modules to every Ray node).
+    `resolve=False`: neither that nor any import, only the schema and the settings checked."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise RecipeError(f"{p}: cannot read recipe ({e.strerror or e})") from None
     here = str(p.resolve().parent)
-    if here not in sys.path:
+    if resolve and here not in sys.path:
         sys.path.append(here)
-    return parse_recipe(text, str(p), overrides)
+    return parse_recipe(text, str(p), overrides, resolve)
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -175,7 +175,7 @@ class ProducerApiCfg(_Cfg):
     """External producers: other processes submit groups over HTTP (`streamrl produce serve`)."""
 
     enabled: bool = False  # reserve a share of the admission capacity for them and start the service with the run
-    host: str = "127.0.0.1"  # another address exposes it beyond this machine (bearer token still required)
+    host: str = "127.0.0.1"  # another address exposes it beyond this machine (bearer token still required); not 0.0.0.0
     port: NonNegInt = 0  # 0 = any free port; the URL is written to RUN_DIR/producer.json
     max_body_mb: PosFloat = 16.0  # larger submissions are refused with 413
     lease_s: PosFloat = 120.0  # a lease's unused slots return to the capacity after this long (a dead producer's too)
@@ -269,7 +269,7 @@ class EnginesCfg(_Cfg):
     # embedded: the CPU engine over transformers that speaks SGLang's API; sglang: SGLang (GPU);
     # auto: SGLang where the cluster has GPUs
     backend: Literal["embedded", "sglang", "auto"] = "embedded"
-    host: str = "127.0.0.1"  # the address the engines bind; another exposes them beyond this machine
+    host: str = "127.0.0.1"  # the address the engines bind; another exposes them beyond this machine; not 0.0.0.0
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"  # sglang-router's
     weight_sync: Literal["distributed", "disk"] = "distributed"  # how new versions reach the engines
     tp: PosInt = 1  # tensor parallel size per engine: each TP rank joins the weight group (embedded: 1 process)

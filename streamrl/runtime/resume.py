@@ -4,6 +4,7 @@ reaches the weights it had when the run stopped and no group is trained on twice
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,22 @@ from typing import Any
 from streamrl.core.types import RunResumed
 from streamrl.runtime import RunFailed
 from streamrl.runtime.runlog import RunLog, now_ns, read_jsonl
+
+
+REFUSALS = ("CheckpointError", "UnpicklingError")  # a checkpoint refused as damaged or tampered with
+
+
+def _refusal(e: BaseException) -> str | None:
+    """The refusal inside `e` (a Ray task error wraps the learner's), as one line, or None."""
+    seen: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and x not in seen:
+        seen.append(x)
+        if type(x).__name__ in REFUSALS or any(c.__name__ in REFUSALS for c in type(x).__mro__):
+            found = re.search(rf"(?:{'|'.join(REFUSALS)}): (.+)", str(x))
+            return (found.group(1) if found else str(x).splitlines()[0]).strip()
+        x = getattr(x, "cause", None) or x.__cause__ or x.__context__
+    return None
 
 
 @dataclass
@@ -27,7 +44,13 @@ class Resumed:
 async def restore(learner: Any, run_dir: Path, log: RunLog, max_staleness: int) -> Resumed:
     """Restore `learner` (the learner group) from RUN_DIR/checkpoints and the pool. When steps were
     trained again (`redone`), the caller checkpoints, so another stop need not redo them."""
-    extra = await learner.restore.remote(str(run_dir / "checkpoints"))
+    try:
+        extra = await learner.restore.remote(str(run_dir / "checkpoints"))
+    except Exception as e:
+        if (why := _refusal(e)) is None:
+            raise
+        raise RunFailed(f"cannot resume {run_dir}: {why}. Nothing was loaded from that checkpoint; restore it from a "
+                        "copy, or move its step directory away to resume from the one before") from None
     ck_step = int(extra["step"]) if extra else -1
     redo = await learner.consumed_steps.remote(ck_step + 1)
     if list(redo) != list(range(ck_step + 1, ck_step + 1 + len(redo))):

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,10 @@ import msgspec
 from ray.exceptions import RayActorError
 from tqdm import tqdm
 
-from streamrl.runtime import loop
 from streamrl.pools import RECORDED_RECIPE, NoPool, PoolError, open_pool
 from streamrl.recipe import Recipe, dump_recipe, load_recipe
-from streamrl.runtime import RunFailed, RunLost
+from streamrl.runtime import RunFailed, RunLost, loop
+from streamrl.runtime.user_code import MODULES_FILE, load_run_recipe, record_modules
 from streamrl.runtime.services import Services
 from streamrl.runtime.steps import Steps
 
@@ -129,7 +130,7 @@ def holds_run(d: Path) -> bool:
 
 def _clear(d: Path) -> None:
     """--overwrite: remove the files an earlier run left in `d` (and nothing else)."""
-    for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json", RECIPE, "frozen_at",
+    for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json", RECIPE, "frozen_at", MODULES_FILE,
                  "endpoints.json", "producer_token", "producer.json", "producer.lock"):
         (d / name).unlink(missing_ok=True)
     for name in ("pool", "checkpoints", "weights", "model", "sft_model", "logs", "report"):
@@ -181,6 +182,7 @@ def run(r: Recipe, run_dir: str | Path | None = None, progress: bool = True, ove
     d = new_run_dir(r, run_dir, overwrite)
     r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, dir=str(d)))
     (d / RECIPE).write_text(dump_recipe(r))
+    record_modules(r, d)  # what --resume may import again
     return _run(r, d, progress, resume=False)
 
 
@@ -201,14 +203,18 @@ def _refuse_a_used_pool(r: Recipe) -> None:
                         "(--overwrite never deletes a pool outside the run directory)")
 
 
-def resume(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
-    """Continue a stopped or killed run from its last checkpoint (`streamrl run --resume DIR`)."""
+def resume(run_dir: str | Path, overrides: list[str] | None = None, progress: bool = True,
+           trust_run_dir: bool = False) -> dict[str, Any]:
+    """Continue a stopped or killed run from its last checkpoint (`streamrl run --resume DIR`).
+    User code is imported only from the files the run imported it from when it started
+    (runtime/user_code.py), unless `trust_run_dir`."""
     d = Path(run_dir)
     if not (d / RECIPE).is_file():
         raise FileNotFoundError(f"{d} has no {RECIPE}: it is not a StreamRL run directory (or was made before "
                                 "runs saved their recipe); start a new run with `streamrl run RECIPE --run-dir ...`")
-    was = load_recipe(d / RECIPE)
-    r = load_recipe(d / RECIPE, overrides)
+    was = load_recipe(d / RECIPE, resolve=False)
+    r = load_run_recipe(d, overrides, trust=trust_run_dir,
+                        say=None if not progress else lambda line: print(f"streamrl: {line}", file=sys.stderr))
     for key in FIXED_ON_RESUME:
         old, new = (_get(x, key) for x in (was, r))
         if old != new:

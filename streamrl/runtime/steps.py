@@ -20,6 +20,7 @@ from streamrl.runtime.services import Services
 
 
 POLL_S = 1.0  # the learner waits this long for a batch before the driver looks at the workers
+STALL_LOG_S = 30.0  # a step still waiting for its batch says why in run.log this often
 
 
 class Steps:
@@ -81,10 +82,9 @@ class Steps:
                 await self._count_stale_drops(await learner.stale_dropped.remote())  # a waiting claim drops too
                 await self.crew.hand_over_lost()
                 await self._grow_budget_if_starved(step)
-            if not streams and time.perf_counter() - waited > 30:  # only external producers feed this run
+            if time.perf_counter() - waited > STALL_LOG_S:
                 waited = time.perf_counter()
-                self.log.info(f"step {step}: waiting for external producers to submit groups "
-                              f"({self.svc.dir / 'producer.json'} has the URL)")
+                self.log.info(self._waiting(step, waited - t0, bool(streams)))
             if stopped:
                 reports = await self.crew.reports()
                 raise RunFailed(f"step {step}: no batch of {self.per_step} groups can be formed and "
@@ -118,6 +118,16 @@ class Steps:
         m["groups_resumed"] = sum(x.get("resumed_groups", 0) + x.get("restarted_groups", 0) for x in reports)
         self._reports = reports
         return m
+
+    def _waiting(self, step: int, seconds: float, streaming: bool) -> str:
+        """What a step that has waited `seconds` for its batch is waiting for."""
+        api = self.r.producer_api.enabled
+        external = f"external producers (the producer API; {self.svc.dir / 'producer.json'} has its URL)"
+        if not streaming:
+            source = external if api else "the rollout workers"
+        else:
+            source = "the rollout workers" + (f" and {external}" if api else "")
+        return f"step {step}: waiting {seconds:.0f}s for a batch of {self.per_step} groups from {source}"
 
     async def _count_stale_drops(self, total: int) -> None:
         """Streaming admits what the run's steps claim; each group the learner dropped as stale

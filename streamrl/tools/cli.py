@@ -19,11 +19,14 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from streamrl.connectors.auth import ADMIN_KEY_ENV, API_KEY_ENV, Keys
 from streamrl.connectors.megatron.model_kit import init_model_dir
+from streamrl.connectors.ports import is_loopback, is_wildcard
 from streamrl.connectors.sglang.engine_process import serve_embedded
 from streamrl.pools import PoolError, open_pool
 from streamrl.pools import queries as pi
 from streamrl.pools.export import export
+from streamrl.pools.sql import QueryError
 from streamrl.producers import api_process
 from streamrl.recipe import RecipeError, dump_recipe, learner_summary, load_recipe
 from streamrl.runtime import RunFailed, RunLost
@@ -98,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
                         "trained after the checkpoint are trained again on the same groups). Run it from the "
                         "directory the run was started in (recipe paths are relative to it); KEY=VALUE "
                         "overrides apply, e.g. run.steps=400 to train longer")
+    r.add_argument("--trust-run-dir", action="store_true",
+                   help="with --resume: import the user code RUN_DIR/recipe.yaml names even where it is not what "
+                        "the run loaded when it started (RUN_DIR/user_modules.json), e.g. a reward you edited, "
+                        "or modules kept in RUN_DIR; only for a run directory whose contents you trust")
     r.add_argument("--quiet", action="store_true", help="no progress bar or log lines (summary only)")
 
     rp = sub.add_parser("replay", help="train past steps again from the pool; compare losses and grad norms",
@@ -116,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
                            "consumed_step, consumed_version, created_ns, drop_reason, reward_mean, reward_std, "
                            "reward_min, reward_max, tokens_mean, failed_samples")
     rp.add_argument("--json", action="store_true", help="print one JSON object per step/batch instead of a table")
+    rp.add_argument("--trust-run-dir", action="store_true",
+                    help="import user code the run did not load when it started (see `streamrl run --help`)")
 
     rep = sub.add_parser("report", help="PNG plots and a summary table of a run",
                          description="Write RUN_DIR/report/*.png (reward and eval accuracy vs version and wall time, "
@@ -144,14 +153,17 @@ def _parser() -> argparse.ArgumentParser:
                                    "STREAMRL_API_KEY / STREAMRL_ADMIN_KEY in the environment it wants them as SGLang's "
                                    "--api-key / --admin-api-key do ('Authorization: Bearer KEY'; /health needs none).")
     ev.add_argument("--model", required=True, help="HF model directory (e.g. from `streamrl model init`)")
-    ev.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    ev.add_argument("--host", default="127.0.0.1",
+                    help="bind address (default 127.0.0.1: this machine only). Another address needs "
+                         "STREAMRL_API_KEY and STREAMRL_ADMIN_KEY in the environment; 0.0.0.0 is refused")
     ev.add_argument("--port", type=int, default=30000, help="port (0: any free port, printed)")
     ev.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
     ev.add_argument("--weight-version", default="0")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: engines share the CPU; more only on an otherwise idle machine)")
-    ev.add_argument("--weights-root", help="load weights (/update_weights_from_disk) only from under this directory")
+    ev.add_argument("--weights-root", help="load weights (/update_weights_from_disk) only from under this directory "
+                                           "(default: the --model directory)")
 
     pr = sub.add_parser("produce", help="let other processes stream sample groups into a run (producer API)")
     prs = pr.add_subparsers(dest="produce_cmd", required=True, metavar="ACTION")
@@ -196,7 +208,8 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     q = ps.add_parser("query", help="DuckDB SQL over the pool (tables `pool`, `admissions`, `claims`)",
-                      description="Run SQL over the pool. Only the columns the query names are read, so avoid "
+                      description="Run one SELECT over the pool, read-only (no COPY, ATTACH, INSTALL, LOAD or file "
+                                  "functions). Only the columns the query names are read, so avoid "
                                   "SELECT * on big pools. Schema: pools/schema.py.")
     q.add_argument("run_dir")
     q.add_argument("sql")
@@ -282,10 +295,12 @@ def _dispatch(args: argparse.Namespace) -> int:
                 if bad or args.run_dir or args.overwrite:
                     raise UsageError(f"--resume takes the run directory and KEY=VALUE overrides only, not "
                                      f"{(bad or ['--run-dir' if args.run_dir else '--overwrite'])[0]!r} (the run's own recipe.yaml is used)")
-                summary = resume(args.resume, overrides, progress=not args.quiet)
+                summary = resume(args.resume, overrides, progress=not args.quiet, trust_run_dir=args.trust_run_dir)
             else:
                 if not args.recipe:
                     raise UsageError("streamrl run needs a RECIPE (or --resume RUN_DIR)")
+                if args.trust_run_dir:
+                    raise UsageError("--trust-run-dir goes with --resume RUN_DIR")
                 summary = run(load_recipe(args.recipe, args.overrides), args.run_dir, progress=not args.quiet,
                               overwrite=args.overwrite)
         except RunLost as e:
@@ -302,10 +317,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         try:
             if args.steps:
                 a, b = rp.parse_steps(args.steps)
-                rows = rp.replay_steps(args.run_dir, a, b, progress=not args.json)
+                rows = rp.replay_steps(args.run_dir, a, b, progress=not args.json, trust_run_dir=args.trust_run_dir)
                 title = f"replay of steps {a}-{b} (from the checkpoint of version {rows[0]['start_version']})"
             else:
-                rows = rp.replay_where(args.run_dir, args.where, progress=not args.json)
+                rows = rp.replay_where(args.run_dir, args.where, progress=not args.json,
+                                       trust_run_dir=args.trust_run_dir)
                 title = f"replay of {sum(r['groups'] for r in rows)} groups where {args.where}"
         except rp.ReplayError as e:
             raise UsageError(str(e)) from None
@@ -328,9 +344,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not (Path(args.model) / "config.json").is_file():
             raise UsageError(f"{args.model} is not a model directory (no config.json); create one with "
                              f"`streamrl model init {args.model}`")
+        _check_engine_host(args.host)
         serve_embedded(model_dir=args.model, host=args.host, port=args.port, max_running=args.max_running,
                        weight_version=args.weight_version, seed=args.seed, threads=args.threads,
-                       weights_root=args.weights_root)
+                       weights_root=args.weights_root or args.model)
         return 0
     if args.cmd == "produce":
         try:
@@ -339,6 +356,19 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         return 0
     return _pool_cmd(args)
+
+
+def _check_engine_host(host: str) -> None:
+    """An engine reachable from other machines serves only callers holding both keys."""
+    if is_wildcard(host):
+        raise UsageError(f"--host {host!r} listens on every interface of this machine; give the one address "
+                         "to serve on (127.0.0.1 for this machine only)")
+    keys = Keys.from_env()
+    if not is_loopback(host) and not (keys.api and keys.admin):
+        missing = " and ".join(k for k, v in ((API_KEY_ENV, keys.api), (ADMIN_KEY_ENV, keys.admin)) if not v)
+        raise UsageError(f"--host {host} is reachable from other machines: set {missing} in the environment "
+                         "(the keys callers must send; never on the command line, where `ps` shows them), "
+                         "or serve on 127.0.0.1")
 
 
 def _pool_cmd(args: argparse.Namespace) -> int:
@@ -353,7 +383,7 @@ def _pool_cmd(args: argparse.Namespace) -> int:
     if args.pool_cmd == "query":
         try:
             table = pi.pool_query(pool, args.sql)
-        except pi.QueryError as e:
+        except QueryError as e:
             raise UsageError(f"query failed: {e} (columns: see pools/schema.py)") from None
         _print_table(table, "json" if args.json else "csv" if args.csv else "text")
         return 0

@@ -34,11 +34,13 @@ from tqdm import tqdm
 from streamrl.connectors.megatron.checkpoint import list_checkpoints
 from streamrl.pools import RECORDED_RECIPE as RECIPE
 from streamrl.pools import open_pool
-from streamrl.pools.queries import QueryError, pool_query
-from streamrl.recipe import Recipe, learner_layout, load_recipe
+from streamrl.pools.queries import pool_query
+from streamrl.pools.sql import QueryError
+from streamrl.recipe import Recipe, learner_layout
 from streamrl.runtime.learner import LearnerDriver, quiet_megatron
 from streamrl.runtime.learner_group import SyncLearner
 from streamrl.runtime.runlog import read_jsonl
+from streamrl.runtime.user_code import UntrustedCode, load_run_recipe
 
 GROUP_COLUMNS = ("group_id", "prompt_id", "producer_id", "status", "n_samples", "min_version", "max_version",
                  "consumed_step", "consumed_version", "created_ns", "drop_reason", "reward_mean", "reward_std",
@@ -71,11 +73,15 @@ def parse_steps(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def load_run(run_dir: str | Path) -> Recipe:
+def load_run(run_dir: str | Path, trust_run_dir: bool = False) -> Recipe:
+    """The run's recipe, its user code imported as `--resume` does (runtime/user_code.py)."""
     d = Path(run_dir)
     if not (d / RECIPE).is_file():
         raise ReplayError(f"{d} has no {RECIPE}: not a StreamRL run directory (or one from before runs kept it)")
-    return load_recipe(d / RECIPE)
+    try:
+        return load_run_recipe(d, trust=trust_run_dir)
+    except UntrustedCode as e:
+        raise ReplayError(str(e)) from None
 
 
 def _learner(r: Recipe, run_dir: Path) -> Any:
@@ -106,10 +112,11 @@ def _original(run_dir: Path) -> dict[int, dict[str, Any]]:
     return {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}  # a resumed run: its last row wins
 
 
-def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = True) -> list[dict[str, Any]]:
+def replay_steps(run_dir: str | Path, first: int, last: int, progress: bool = True,
+                 trust_run_dir: bool = False) -> list[dict[str, Any]]:
     """Rows {step, groups, loss, grad_norm, orig_loss, orig_grad_norm, ...} for steps first..last."""
     d = Path(run_dir)
-    r = load_run(d)
+    r = load_run(d, trust_run_dir)
     drv = _learner(r, d)
     batches = drv.consumed_steps(0, last)
     missing = [s for s in range(first, last + 1) if s not in batches]
@@ -145,10 +152,11 @@ def select_groups(run_dir: str | Path, where: str) -> list[dict[str, Any]]:
     return t.to_pylist()
 
 
-def replay_where(run_dir: str | Path, where: str, progress: bool = True) -> list[dict[str, Any]]:
+def replay_where(run_dir: str | Path, where: str, progress: bool = True,
+                 trust_run_dir: bool = False) -> list[dict[str, Any]]:
     """Train on the selected groups, `groups_per_step` at a time; one row per batch."""
     d = Path(run_dir)
-    r = load_run(d)
+    r = load_run(d, trust_run_dir)
     groups = select_groups(d, where)
     if not groups:
         raise ReplayError(f"--where {where!r} selects no group in {d / 'pool'}")
