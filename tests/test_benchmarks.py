@@ -3,14 +3,13 @@
 smallest flags, must exit 0 within seconds and print one JSON object with the figures that matter (two
 that start several whole runs are checked in process instead: REPORT_ONLY says why). A new
 benchmarks/*.py that no smoke form covers fails `test_every_benchmark_has_a_smoke_form`. benchmarks/ has no
-import circle (AST, as tests/test_layout.py checks the packages).
+import circle (tests/test_layout.py checks that, with the packages).
 
 Timing figures are never asserted (benchmarks/README.md: measurements, not tests); what is asserted is that
 the run finished and its correctness checks (ledgers, parity, pushes verified) held."""
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import os
@@ -266,55 +265,3 @@ def test_report_only_benchmarks(name: str, tmp_path: Path) -> None:
         assert rep["steps"] == 3 and rep["periodic_evals"] == 1 and rep["eval_modes"] == ["background"]
         assert rep["eval_lag_s_mean"] == pytest.approx(0.4)
     json.dumps(rep)  # what the script prints
-
-
-# ---------------------------------------------------------------- no import circle
-
-
-def _bench_deps(path: Path) -> set[str]:
-    """The benchmarks modules `path` imports (module-level and inside functions)."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "benchmarks":
-                out |= {a.name for a in node.names}
-            elif node.module.startswith("benchmarks."):
-                out.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
-    return out
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        state[m] = 1
-        stack.append(m)
-        for d in sorted(graph.get(m, ())):
-            if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
-            if d not in state and (cycle := visit(d)):
-                return cycle
-        stack.pop()
-        state[m] = 2
-        return None
-
-    for m in sorted(graph):
-        if m not in state and (cycle := visit(m)):
-            return cycle
-    return None
-
-
-def test_benchmarks_have_no_import_circle() -> None:
-    graph = {m: _bench_deps(f) - {m} for m, f in benchmark_modules().items()}
-    assert graph["pool_throughput"] and graph["learner_step"]  # the parser sees their imports at all
-    cycle = find_cycle(graph)
-    assert cycle is None, "import circle in benchmarks/: " + " -> ".join(cycle or [])
-
-
-def test_the_circle_check_finds_a_circle() -> None:
-    # The shape issue 45 found (pool_scale <-> pool_throughput), as the check sees it.
-    assert find_cycle({"pool_scale": {"pool_throughput"}, "pool_throughput": {"pool_scale", "_pool"},
-                       "_pool": set()}) == ["pool_scale", "pool_throughput", "pool_scale"]

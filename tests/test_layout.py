@@ -90,24 +90,8 @@ def test_no_import_circle() -> None:
     # A package imports its own submodules; that is how packages work, not a circle.
     for m in graph:
         graph[m] = {d for d in graph[m] if not d.startswith(m + ".") and not m.startswith(d + ".")}
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        state[m] = 1
-        stack.append(m)
-        for d in sorted(graph[m]):
-            if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
-            if d not in state and (cycle := visit(d)):
-                return cycle
-        stack.pop()
-        state[m] = 2
-        return None
-
-    for m in sorted(graph):
-        if m not in state and (cycle := visit(m)):
-            pytest.fail("import circle: " + " -> ".join(cycle))
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
 def test_long_files_say_why() -> None:
@@ -186,3 +170,55 @@ def test_own_modules_are_imported_at_the_top() -> None:
         Visit().visit(ast.parse(f.read_text()))
     assert len(inside) < 10, f"{len(inside)} StreamRL imports inside functions (fewer than 10 allowed; move them " \
                              "to the top of the file, or say on the line above why one cannot be):\n" + "\n".join(inside)
+
+
+BENCH_MODULES = {f.stem: f for f in sorted((REPO / "benchmarks").glob("*.py")) if f.stem != "__init__"}
+
+
+def _bench_deps(path: Path) -> set[str]:
+    """The benchmarks modules `path` imports (module-level and inside functions)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "benchmarks":
+                out |= {a.name for a in node.names}
+            elif node.module.startswith("benchmarks."):
+                out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_benchmarks_have_no_import_circle() -> None:
+    graph = {m: _bench_deps(f) - {m} for m, f in BENCH_MODULES.items()}
+    assert graph["pool_throughput"] and graph["learner_step"]  # the parser sees their imports at all
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle in benchmarks/: " + " -> ".join(cycle or [])
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    # The shape issue 45 found (pool_scale <-> pool_throughput), as the check sees it.
+    assert find_cycle({"pool_scale": {"pool_throughput"}, "pool_throughput": {"pool_scale", "_pool"},
+                       "_pool": set()}) == ["pool_scale", "pool_throughput", "pool_scale"]
