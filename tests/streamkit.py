@@ -447,7 +447,7 @@ class LogprobOracle:
 
 def engine_pids(model_dir: Path) -> list[int]:
     """Embedded-engine processes serving `model_dir`: their command line (connectors/sglang/launcher.py
-    engine_command) holds the model directory and `engine_server` (the shim imports `serve`)."""
+    engine_command) holds the model directory and `serve_embedded` (what the shim calls)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -456,7 +456,7 @@ def engine_pids(model_dir: Path) -> list[int]:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if str(model_dir) in cmd and "engine_server" in cmd and "serve" in cmd:
+        if str(model_dir) in cmd and "serve_embedded" in cmd:
             pids.append(int(d.name))
     return sorted(pids)
 

@@ -111,7 +111,7 @@ def test_nothing_reachable_beyond_loopback_during_a_run(tmp_path: Path, tiny_mod
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(req, timeout=30)
             assert e.value.code == 401, url
-        engines = [p for a, p, pid in mine if a.startswith("127.") and "engine_server" in _cmd(pid)]
+        engines = [p for a, p, pid in mine if a.startswith("127.") and "serve_embedded" in _cmd(pid)]
         assert engines, mine
         for port in engines:
             req = urllib.request.Request(f"http://127.0.0.1:{port}/update_weights_from_disk",
