@@ -9,9 +9,16 @@ of `names`, instead of one broadcast per tensor (each costs a round of latency; 
 model has 40+ tensors). One `/update_weights_from_distributed` request per bucket; buckets
 are capped in size because the receiver allocates a bucket's buffer whole.
 
-The group is built from a TCPStore directly, so neither side needs (or disturbs) a default
-process group. The trainer opens the store first (`open_store`: loopback, a port the kernel
-chose) and tells the engines its port.
+The group lives on the store keys SGLang joins on. SGLang's `init_custom_process_group`
+(srt/utils/common.py) wraps the rendezvous store in `PrefixStore(group_name)` and hands it to
+torch's `_new_process_group_helper`, which adds `{group_name}/` and then `{device}/` (`cpu/` for
+gloo, `cuda/` for NCCL) before the backend's own keys; slime's trainer side runs the same code.
+`group_store` builds that same chain and `_group` the backend on it, without the helper: the
+helper registers each group by name in a per-process registry, so one process could hold one
+rank of a group, while the embedded engine stands for several TP ranks in one process and tests
+put both sides in one. tests/test_weight_group_sglang.py joins SGLang's own function (from the
+sglang wheel) to ours, both ways. The trainer opens the store first (`open_store`: a port the
+kernel chose) and tells the engines its port; neither side needs a default process group.
 """
 
 from __future__ import annotations
@@ -42,11 +49,25 @@ def _dtype(name: str, dt: str) -> torch.dtype:
     return _DTYPES[dt]
 
 
+def group_store(store: Any, group_name: str, backend: str) -> Any:
+    """`store` as a group named `group_name` sees it when SGLang joins it (module docstring)."""
+    if not group_name:
+        raise ValueError("group_name must not be empty (SGLang refuses it)")
+    device = "cuda" if backend == "nccl" else "cpu"
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+
+
 def _group(store: Any, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float) -> Any:
-    store = dist.PrefixStore(group_name, store)
+    keys = group_store(store, group_name, backend)
+    timeout = timedelta(seconds=timeout_s)
     if backend == "nccl" and torch.cuda.is_available():
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(keys, rank, world_size, opts)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
+    return dist.ProcessGroupGloo(keys, rank, world_size, timeout)
 
 
 def open_store(world_size: int, host: str = "127.0.0.1", timeout_s: float = 60) -> Any:
