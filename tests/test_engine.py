@@ -523,6 +523,31 @@ async def _state(s: aiohttp.ClientSession, url: str) -> dict:
     return info["internal_states"][0]
 
 
+def test_request_queued_in_an_in_place_pause_runs_on_new_weights(engine, model_dirs, ref1):
+    """The in_place cache rule on the embedded engine: a request that arrives while an in_place
+    pause holds the running ones, and starts after the update, is tagged with the new version
+    only, takes nothing from a cache (cached_tokens 0: this engine keeps no prefix across
+    requests) and its tokens and log-probs are the new model's own, prompt included."""
+    n, late = 240, prompt(7)
+
+    async def main():
+        async with SGLangClient(engine.url) as c, aiohttp.ClientSession() as s:
+            tasks, _, _ = await _pause_mid_flight(c, s, engine.url, "in_place", 2, n)
+            queued = asyncio.create_task(c.generate(late, {"max_new_tokens": 12, "temperature": 0.0}))
+            await asyncio.sleep(0.3)
+            assert not queued.done()
+            st, out = await post_json(s, engine.url + "/update_weights_from_disk",
+                                      {"model_path": model_dirs[1], "weight_version": "1", "flush_cache": False})
+            assert st == 200, out
+            assert (await post_json(s, engine.url + "/continue_generation", {}))[0] == 200
+            await asyncio.gather(*tasks)
+            return await queued, c.seen_version
+
+    r, seen = asyncio.run(main())
+    assert r.version_spans() == [VersionSpan(1, 0, 12)] and r.meta_info.cached_tokens == 0 and seen == 1
+    assert r.output_ids == hf_greedy(ref1, late, 12)
+    assert max(abs(a - b) for a, b in zip(r.logprobs, reference_logprobs(ref1, late, r.output_ids, 0))) < TOL
+
 def test_pause_in_place_update_continue(engine, model_dirs):
     n = 240
 

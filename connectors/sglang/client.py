@@ -2,13 +2,15 @@
 or the sglang-router in front of either (for /generate and chat).
 
 One aiohttp connection pool per client, a timeout per call, retries on connection errors
-only (a request that reached the server is never sent twice by us).
+only; a request that reached the server is sent again only when its answer reused a prefix
+that older weights cached (streamrl/core/prefix_cache.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +19,10 @@ import msgspec
 
 from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys, bearer
+from streamrl.core import prefix_cache
 from streamrl.core.types import VersionSpan
+
+STALE_PREFIX_RETRIES = 3
 
 
 class EngineError(Exception):
@@ -101,6 +106,8 @@ class SGLangClient:
         self.connect_retries = connect_retries
         self._limit = limit
         self._session: aiohttp.ClientSession | None = None
+        self.seen_version = 0  # the newest weight version a response showed (core/prefix_cache.py)
+        self.stale_prefix_retries = 0
 
     async def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -148,15 +155,42 @@ class SGLangClient:
                        *, rid: str | None = None, return_logprob: bool = True) -> GenerateResult:
         sp = sampling_params if isinstance(sampling_params, api.SamplingParams) else \
             msgspec.convert(sampling_params or {}, api.SamplingParams)
-        req = api.GenerateReqInput(input_ids=list(map(int, input_ids)), sampling_params=sp, rid=rid,
-                                   return_logprob=return_logprob)
-        return _result.decode(await self.request("POST", "/generate", req))
+        return (await self._generate([list(map(int, input_ids))], sp, None if rid is None else [rid],
+                                     return_logprob, batched=False))[0]
 
     async def generate_batch(self, batch: Sequence[Sequence[int]], sampling_params: api.SamplingParams,
                              *, rids: list[str] | None = None, return_logprob: bool = True) -> list[GenerateResult]:
-        req = api.GenerateReqInput(input_ids=[list(map(int, ids)) for ids in batch], sampling_params=sampling_params,
-                                   rid=rids, return_logprob=return_logprob)
-        return _results.decode(await self.request("POST", "/generate", req))
+        return await self._generate([list(map(int, ids)) for ids in batch], sampling_params, rids, return_logprob,
+                                    batched=True)
+
+    async def _generate(self, batch: list[list[int]], sp: api.SamplingParams, rids: list[str] | None,
+                        return_logprob: bool, batched: bool) -> list[GenerateResult]:
+        """/generate under the cache key of the newest version seen (streamrl/core/prefix_cache.py);
+        the requests that reused a prefix older weights made go again, under a key nobody used."""
+        key, todo = self.seen_version, list(range(len(batch)))
+        out: list[GenerateResult | None] = [None] * len(batch)
+        for attempt in range(STALE_PREFIX_RETRIES + 1):
+            extra_key = prefix_cache.cache_key(key) if attempt == 0 else f"{prefix_cache.cache_key(key)}-{uuid.uuid4().hex}"
+            ids = [batch[i] for i in todo]
+            req = api.GenerateReqInput(input_ids=ids if batched else ids[0], sampling_params=sp,
+                                       rid=None if rids is None else [rids[i] for i in todo] if batched else rids[0],
+                                       return_logprob=return_logprob, extra_key=extra_key)
+            raw = await self.request("POST", "/generate", req)
+            results = _results.decode(raw) if batched else [_result.decode(raw)]
+            again = []
+            for i, r in zip(todo, results):
+                spans = r.version_spans()
+                self.seen_version = prefix_cache.newest(spans, self.seen_version)
+                if prefix_cache.reused_older_prefix(key, spans, r.meta_info.cached_tokens):
+                    again.append(i)
+                else:
+                    out[i] = r
+            if not again:
+                return [r for r in out if r is not None]
+            self.stale_prefix_retries += len(again)
+            key, todo = self.seen_version, again
+        raise EngineError(self.base_url + "/generate", 503, f"{len(todo)} request(s) kept reusing a prefix cached "
+                          f"under older weights after {STALE_PREFIX_RETRIES} fresh cache keys")
 
     async def chat(self, messages: list[dict[str, Any]], **params: Any) -> Any:
         return await self.json("POST", "/v1/chat/completions", {"messages": messages, **params})

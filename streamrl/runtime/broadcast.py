@@ -14,7 +14,8 @@ instead: benchmarks/broadcast.py measures it.)
 In-flight generations follow the partial-rollout policy: `abort_resume`/`restart` pause the
 engines in `abort` mode (requests return what they have; the rollout worker resubmits them),
 `in_place` pauses them in place (they continue on the new weights, so the update is sent with
-`flush_cache: false`: SGLang fails a flushing update while requests run), `finish_old` first
+`flush_cache: false`: SGLang fails a flushing update while requests run; the prefix cache the old
+weights made stays, and no later request reuses it: streamrl/core/prefix_cache.py), `finish_old` first
 lets the engines generate on the old weights for `finish_window_s` (requests that finish then are
 never interrupted: single-version samples, no resume and no re-prefill) and then aborts the rest as
 `abort_resume` does (the window delays only the push; in stream mode the learner trains meanwhile,
@@ -146,7 +147,8 @@ class VersionBroadcaster:
         t_push = time.perf_counter()
         path = self.weight_sync
         # SGLang refuses to flush its cache (and so the update) while requests run, as in_place keeps
-        # them: they go on with the KV the old weights made, which in_place accepts by design.
+        # them: they go on with the KV the old weights made, which in_place accepts by design. New
+        # requests never match that cache: their clients key it by version (core/prefix_cache.py).
         flush = mode != "in_place"
         try:
             if self.weight_sync != "distributed" or failed:
