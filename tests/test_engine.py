@@ -417,16 +417,26 @@ def test_tp2_engine_joins_both_ranks(model_dirs, ref1, tmp_path):
                 _, out = await asyncio.gather(
                     asyncio.to_thread(broadcast, group, list(state.values()), True),
                     c.update_weights_from_distributed(names, dtypes, shapes, 3, "wu-tp2", load_format=BUCKET_FORMAT))
-            return info, joined, out, await c.weight_version(), await _greedy(c, prompts, n)
+            served = await c.weight_version(), await _greedy(c, prompts, n)
+            # SGLang keeps groups by name until /destroy_weights_update_group (the broadcaster drops old ones)
+            dropped = await c.destroy_weights_update_group("wu-tp2")
+            again = await post_json(s, proc.url + "/destroy_weights_update_group", {"group_name": "wu-tp2"})
+            async with c.weight_update():
+                gone = await post_json(s, proc.url + "/update_weights_from_distributed", {
+                    "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": "wu-tp2"})
+            return info, joined, out, served, (dropped, again, gone)
 
     try:
         proc.wait_ready()
-        info, joined, out, v, after = asyncio.run(main())
+        info, joined, out, (v, after), (dropped, again, gone) = asyncio.run(main())
     finally:
         proc.stop()
     assert info["tp_size"] == 2 and g.world_size == 3
     assert joined["success"] is True and out["success"] is True and v == "3"
     assert [r.output_ids for r in after] == [hf_greedy(ref1, p, n) for p in prompts]
+    assert dropped["success"] is True
+    assert again == (400, {"success": False, "message": "The group to be destroyed does not exist."})
+    assert gone[0] == 400 and "init_weights_update_group" in str(gone[1])
 
 
 def test_embedded_engine_refuses_bad_tp(model_dirs):
@@ -892,6 +902,7 @@ def test_client_requests_match_sglang_schema(sgl):
             await c.update_weights_from_disk("/models/x", 3)
             await c.update_weight_version(4)
             await c.init_weights_update_group("127.0.0.1", 1234, 1, 2)
+            await c.destroy_weights_update_group("old")
             await c.update_weights_from_distributed(["w"], ["float32"], [[2, 3]], 5)
             await c.begin_weight_update()
             await c.end_weight_update()
@@ -918,6 +929,7 @@ def test_client_requests_match_sglang_schema(sgl):
               "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
               "/update_weight_version": "UpdateWeightVersionReqInput",
               "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+              "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
               "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
               "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput"}
     for path, cls in expect.items():
@@ -931,6 +943,8 @@ def test_client_requests_match_sglang_schema(sgl):
     assert by_path["/update_weight_version"]["new_version"] == "4"
     assert by_path["/update_weights_from_distributed"]["weight_version"] == "5"
     assert by_path["/pause_generation"] == {"mode": "retract"}
+    assert by_path["/destroy_weights_update_group"] == {"group_name": "old"}
+    assert all(b["extra_key"] == "v0" for b in gens)  # the cache namespace of the newest version seen (prefix_cache)
 
 
 def _bodies(calls) -> list[tuple[str, dict]]:

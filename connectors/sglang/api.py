@@ -97,6 +97,10 @@ class InitGroupReq(_Req):
     backend: str = "nccl"
 
 
+class DestroyGroupReq(_Req):
+    group_name: str = "weight_update_group"
+
+
 class UpdateFromDistributedReq(_Req):
     names: list[str]
     dtypes: list[str]

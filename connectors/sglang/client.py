@@ -223,6 +223,9 @@ class SGLangClient:
             master_address=master_address, master_port=master_port, rank_offset=rank_offset,
             world_size=world_size, group_name=group_name, backend=backend))
 
+    async def destroy_weights_update_group(self, group_name: str) -> Any:
+        return await self.json("POST", "/destroy_weights_update_group", api.DestroyGroupReq(group_name=group_name))
+
     async def begin_weight_update(self) -> Any:
         """Open SGLang's weight-update session: /update_weights_from_distributed and
         /update_weights_from_tensor are refused (400) outside one (sglang 0.5.23)."""

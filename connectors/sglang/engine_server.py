@@ -122,7 +122,7 @@ class EngineServer:
                                decode=self.tokenizer.decode)
         self.model_path = model_dir
         self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
-        self._groups: list[Any] = []  # weight-update groups, one per TP rank (rank_offset + tp_rank)
+        self._groups: dict[str, list[Any]] = {}  # weight-update groups by name: one per TP rank (rank_offset + tp_rank)
         self._session = False  # SGLang's weight-update session (/begin_weight_update .. /end_weight_update)
         self._recv_bufs = [torch.empty(0, dtype=torch.uint8, device=self.core.device) for _ in range(tp)]
         self.app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._guard, self._errors])
@@ -137,6 +137,7 @@ class EngineServer:
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/begin_weight_update", self.begin_weight_update)
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
@@ -403,13 +404,19 @@ class EngineServer:
         # SGLang joins each TP rank as rank_offset + tp_rank (streamrl/core/weight_group.py); this
         # process joins every rank it stands for, each of which receives the full tensors as there.
         try:
-            self._groups = list(await asyncio.gather(*(loop.run_in_executor(
+            self._groups[req.group_name] = list(await asyncio.gather(*(loop.run_in_executor(
                 None, join_group, req.master_address, req.master_port, req.rank_offset + r, req.world_size,
                 req.group_name, req.backend) for r in range(self.tp))))
         except Exception as e:  # noqa: BLE001
-            self._groups = []
             return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        req: api.DestroyGroupReq = await _decode(request, api.DestroyGroupReq)
+        if self._groups.pop(req.group_name, None) is None:  # SGLang 0.5.23's words (weight_updater.py)
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
+                                     status=400)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         await _decode(request, api.BeginWeightUpdateReq)
@@ -438,8 +445,10 @@ class EngineServer:
         req: api.UpdateFromDistributedReq = await _decode(request, api.UpdateFromDistributedReq)
         if refused := self._no_session("update_weights_from_distributed"):
             return refused
-        if not self._groups:
-            raise HTTPError(400, "call /init_weights_update_group first")
+        groups = self._groups.get(req.group_name)
+        if groups is None:  # SGLang asserts the same
+            raise HTTPError(400, f"Group {req.group_name} not in {list(self._groups)}. "
+                            "Please call `init_weights_update_group` first.")
         if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
             raise HTTPError(400, "names, dtypes and shapes must have the same length")
         # Receive outside the engine thread (generation goes on), then swap between steps.
@@ -447,7 +456,7 @@ class EngineServer:
         try:  # every TP rank takes part in each broadcast; rank_offset + 0's copy is loaded
             state, *_ = await asyncio.gather(*(loop.run_in_executor(
                 None, receive, g, req.names, req.dtypes, req.shapes, req.load_format, buf)
-                for g, buf in zip(self._groups, self._recv_bufs)))
+                for g, buf in zip(groups, self._recv_bufs)))
         except ValueError as e:  # refused before anything was received
             raise HTTPError(400, str(e)) from None
         return await self._update(lambda: self.core.load_state_dict(state, None), req.abort_all_requests,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,8 @@ class VersionBroadcaster:
         self.weights_dir = run_dir / "weights"
         self.log, self.host, self.keep_weights = log, host, keep_weights
         self._group_urls: tuple[str, ...] = ()
+        self._joined: tuple[str, ...] = ()  # the engines that joined the group named _group_name
+        self._group_name = ""
         self._group_gen = 0
         self._meta: Any = None
         self.version = 0
@@ -73,8 +76,13 @@ class VersionBroadcaster:
         urls = tuple(sorted(self.router.workers))
         if urls == self._group_urls:
             return
+        if self._joined:  # engines keep a group (an NCCL communicator on GPU) until told to drop it
+            await self._each({u: c for u, c in self.router.workers.items() if u in self._joined},
+                             lambda c: c.destroy_weights_update_group(self._group_name))
+            self._joined = ()
         self._group_gen += 1
-        name = f"streamrl-weights-{self._group_gen}"
+        # Unique across broadcasters too: an engine that outlived a learner may still hold the old names.
+        name = f"streamrl-weights-{self._group_gen}-{uuid.uuid4().hex[:8]}"
         group = weight_group([self.tp] * len(urls))
         await self.learner.drop_weight_group.remote()
         host, port = await self.learner.open_weight_store.remote(self.host, group.world_size)
@@ -82,7 +90,7 @@ class VersionBroadcaster:
         await asyncio.gather(init, *(self.router.workers[u].init_weights_update_group(
             host, port, group.rank_offsets[i], group.world_size, name, self.backend)
             for i, u in enumerate(urls)))
-        self._group_urls, self._group_name = urls, name
+        self._group_urls, self._group_name, self._joined = urls, name, urls
         if self._meta is None:
             self._meta = await self.learner.weights_meta.remote()
 
