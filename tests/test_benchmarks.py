@@ -98,6 +98,43 @@ def _learner_step(d: dict[str, Any]) -> None:
     assert agree["grad_norm_rel_diff"] < 1e-3 and math.isfinite(agree["megatron"]["loss"]), agree
 
 
+GPU_CHECKS = {"learner_fp32_cpu", "learner_fp32", "learner_agreement", "learner_bf16", "weight_group", "engine",
+              "engine_cpu_parity"}
+
+
+def _gpu_check_shape(d: dict[str, Any]) -> None:
+    """gpu_check's one JSON object: every check named, each ok / failed / skipped (a skip says why)."""
+    assert d["benchmark"] == "gpu_check" and set(d["checks"]) == GPU_CHECKS, d
+    for name, c in d["checks"].items():
+        assert c["status"] in ("ok", "failed", "skipped") and c["s"] >= 0, (name, c)
+        assert c["status"] != "skipped" or c["reason"], (name, c)
+    assert d["ok"] is all(c["status"] != "failed" for c in d["checks"].values())
+
+
+def _gpu_check(d: dict[str, Any]) -> None:
+    """--cpu: the CPU parts ran and held, the CUDA-only ones are skipped with the reason."""
+    _gpu_check_shape(d)
+    c = d["checks"]
+    assert d["mode"] == "cpu" and d["ok"] is True, c
+    assert c["learner_fp32_cpu"]["status"] == "ok" and c["learner_fp32_cpu"]["param_dtype"] == "float32", c
+    assert c["weight_group"]["status"] == "ok" and c["weight_group"]["sha256_equal"] is True, c
+    assert c["engine"]["status"] == "ok" and c["engine"]["max_logprob_diff_vs_reference"] < 1e-3, c
+    for name in ("learner_fp32", "engine_cpu_parity", "learner_agreement"):
+        assert c[name]["status"] == "skipped", (name, c[name])
+    assert c["learner_bf16"]["status"] in ("ok", "skipped"), c["learner_bf16"]  # skipped where learner.dtype is not
+
+
+def test_gpu_check_sh_runs_here(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.sh, the device machine's one prepared run, on this CPU machine: one check."""
+    p = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--cpu", "--only", "weight_group"], cwd=tmp_path,
+                       env={**os.environ, "PY": sys.executable}, capture_output=True, text=True,
+                       timeout=SMOKE_TIMEOUT_S)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(p.stdout)
+    _gpu_check_shape(d)
+    assert d["checks"]["weight_group"]["status"] == "ok" and d["checks"]["engine"]["reason"] == "not in --only"
+
+
 def _stream_vs_lockstep(d: dict[str, Any]) -> None:
     stream = d["modes"]["stream"]
     assert d["steps"] == 1 and stream["samples"] == 4 and stream["rl_wall_s"] > 0, stream
@@ -147,6 +184,8 @@ SMOKES: dict[str, Smoke] = {
     "broadcast": Smoke(("broadcast.py", "--presets", "tiny", "--engines", "1", "--repeats", "1",
                         "--memcopy-repeats", "1"), _broadcast),
     "learner_step": Smoke(("learner_step.py", *TINY_BATCH), _learner_step),
+    # Every check of the GPU machine's run that the CPU can do (~25 s); gpu_check.sh itself: test above.
+    "gpu_check": Smoke(("gpu_check.py", "--cpu", "--steps", "1", "--new-tokens", "4"), _gpu_check),
     # learner_parallel.py is each rank's process, started by learner_step.py --parallel.
     "learner_parallel": Smoke(("learner_step.py", *TINY_BATCH, "--parallel", "1"), _learner_parallel),
     # One mode of one step: a whole `streamrl run` (Ray, router, engine, learner actor), ~20 s.

@@ -128,6 +128,13 @@ def test_engine_commands() -> None:
         engine_command("embedded", "/m", 1, extra_args=["--x"])
     with pytest.raises(ValueError, match="engine_kwargs"):
         engine_command("sglang", "/m", 1, engine_kwargs={"seed": 1})
+    # engines.python: SGLang started by another interpreter (its own environment); the embedded engine cannot be
+    own = engine_command("sglang", "/m", 1234, parent_pid=42, python="/envs/sglang/bin/python")
+    assert own[0] == "/envs/sglang/bin/python" and own[1:4] == sgl[1:4]  # the same shim
+    assert own[4:] == ["42", "sglang", "--model-path", "/m", "--host", "127.0.0.1", "--port", "1234",
+                       "--weight-version", "0", "--tp-size", "1"]
+    with pytest.raises(ValueError, match="python is for backend='sglang'"):
+        engine_command("embedded", "/m", 1, python="/envs/sglang/bin/python")
 
 
 @pytest.mark.slow

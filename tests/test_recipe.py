@@ -536,3 +536,24 @@ def test_network_bind_node_refuses_an_explicit_host_too():
         parse_recipe(MINIMAL + "network: {bind: node}\nengines: {host: 10.0.0.5}\n")
     with pytest.raises(RecipeError, match=r"network\.bind: Invalid enum value 'all'"):
         parse_recipe(MINIMAL + "network: {bind: all}\n")
+
+
+def test_engines_python_must_be_an_executable_for_sglang(tmp_path: Path) -> None:
+    """engines.python (docs/gpu.md): the interpreter that starts SGLang; each error names key and value."""
+    assert parse_recipe(MINIMAL).engines.python is None
+    exe = tmp_path / "bin" / "python"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    sglang = MINIMAL + "engines:\n  backend: sglang\n  python: {}\n"
+    assert parse_recipe(sglang.format(exe), "x.yaml").engines.python == str(exe)
+    for value, problem in ((tmp_path / "nope", "does not exist on this machine"),
+                           (tmp_path / "bin", "is a directory"), ("python3", "not an absolute path")):
+        with pytest.raises(RecipeError, match=rf"^x\.yaml:7: engines\.python: is '{value}'.*{problem}"):
+            parse_recipe(sglang.format(value), "x.yaml")
+    exe.chmod(0o644)
+    with pytest.raises(RecipeError, match=rf"engines\.python: is '{exe}', which is not executable"):
+        parse_recipe(sglang.format(exe), "x.yaml")
+    exe.chmod(0o755)
+    with pytest.raises(RecipeError, match=r"engines\.python: .* engines\.backend is embedded"):
+        parse_recipe(MINIMAL + f"engines:\n  python: {exe}\n", "x.yaml")

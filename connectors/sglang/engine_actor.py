@@ -74,9 +74,11 @@ class EngineActor:
     def __init__(self, index: int, model_dir: str, backend: str = "embedded", log_dir: str | None = None,
                  weight_version: str = "0", tp: int = 1, extra_args: Sequence[str] = (),
                  engine_kwargs: dict[str, Any] | None = None, host: str = "127.0.0.1",
-                 startup_timeout_s: float = 600, stop_grace_s: float = 10, keys: Keys | None = None) -> None:
+                 startup_timeout_s: float = 600, stop_grace_s: float = 10, keys: Keys | None = None,
+                 python: str | None = None) -> None:
         """`keys` (connectors/auth.py): the engine requires them; they reach it through its
-        environment (embedded) or a 0600 `--config` file beside its log (SGLang), never argv."""
+        environment (embedded) or a 0600 `--config` file beside its log (SGLang), never argv.
+        `python` (recipe engines.python): the interpreter that starts SGLang; None = this one."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.index, self.model_dir, self.host = index, str(model_dir), bind_host(host)  # on the engine's node
@@ -84,6 +86,7 @@ class EngineActor:
         self.weight_version, self.tp = str(weight_version), int(tp)
         self.extra_args = [str(a) for a in extra_args]
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.python = python
         self.keys = keys or Keys()
         self.startup_timeout_s, self.stop_grace_s = startup_timeout_s, stop_grace_s
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "engine-logs"
@@ -122,7 +125,8 @@ class EngineActor:
             extra += ["--config", str(conf)]
         cmd = engine_command(self.backend, self.model_dir, port, host=self.host,  # type: ignore[arg-type]
                              weight_version=self.weight_version, tp=self.tp, extra_args=extra,
-                             engine_kwargs=self.engine_kwargs, sock_fd=sock.fileno() if sock else None)
+                             engine_kwargs=self.engine_kwargs, sock_fd=sock.fileno() if sock else None,
+                             python=self.python if self.backend == "sglang" else None)
         self.starts += 1
         with open(self.log_path, "ab") as out:
             out.write(f"\n===== engine {self.index} start #{self.starts} backend={self.backend} "

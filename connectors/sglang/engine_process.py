@@ -37,14 +37,18 @@ else:
 
 def engine_command(backend: str, model_dir: str, port: int, *, host: str = "127.0.0.1", weight_version: str = "0",
                    tp: int = 1, extra_args: Sequence[str] = (), engine_kwargs: dict[str, Any] | None = None,
-                   parent_pid: int | None = None, sock_fd: int | None = None) -> list[str]:
+                   parent_pid: int | None = None, sock_fd: int | None = None, python: str | None = None) -> list[str]:
     """The engine process's command line. `backend` is "embedded" (`serve(**kwargs)`, which
     takes `engine_kwargs` such as max_running, seed, and `sock_fd`: a listening socket the
     process inherits, bound to `port` by the parent with streamrl.connectors.ports.listen_socket; pass it
     in Popen's pass_fds) or "sglang" (`sglang.launch_server` with `extra_args` appended, which
     binds `port` itself). Both run under the shim's parent watchdog (`parent_pid`: the pid the
-    engine must not outlive, default this process)."""
-    head = [sys.executable, "-u", "-c", _SHIM, str(parent_pid or os.getpid()), backend]
+    engine must not outlive, default this process). `python` (recipe engines.python, "sglang" only):
+    the interpreter that runs it, default this one; the shim imports nothing of StreamRL for SGLang,
+    so an environment holding only sglang will do."""
+    if python and backend != "sglang":
+        raise ValueError(f"python is for backend='sglang'; the embedded engine runs in this interpreter (got {python!r})")
+    head = [python or sys.executable, "-u", "-c", _SHIM, str(parent_pid or os.getpid()), backend]
     if backend == "embedded":
         if extra_args:
             raise ValueError(f"extra_args are for backend='sglang'; the embedded engine takes "

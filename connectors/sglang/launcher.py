@@ -141,7 +141,8 @@ class EngineLauncher:
                  engine_kwargs: dict[str, Any] | None = None, poll_interval_s: float = 1.0,
                  startup_timeout_s: float = 600, on_restart: OnRestart | None = None,
                  max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
-                 keys: Keys | None = None, host: str = "127.0.0.1", placement_group: Any = None) -> None:
+                 keys: Keys | None = None, host: str = "127.0.0.1", placement_group: Any = None,
+                 python: str | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if num_engines < 1:
@@ -151,6 +152,7 @@ class EngineLauncher:
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "engine-logs"
         self.extra_args, self.tp = list(extra_args), tp
         self.host = host  # the address every engine binds (recipe engines.host)
+        self.python = python  # the interpreter that starts SGLang engines (recipe engines.python); None = this one
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus  # None: tp for SGLang (and for "auto" where the cluster has GPUs)
         self.engine_kwargs = engine_kwargs or {}
@@ -181,7 +183,7 @@ class EngineLauncher:
                 placement_group=self.placement_group, placement_group_bundle_index=index)
         return EngineActor.options(**opts).remote(
             index, self.model_dir, self.backend, str(self.log_dir), self.weight_version, self.tp,
-            self.extra_args, self.engine_kwargs, self.host, self.startup_timeout_s, keys=self.keys)
+            self.extra_args, self.engine_kwargs, self.host, self.startup_timeout_s, keys=self.keys, python=self.python)
 
     async def start(self, watch: bool = True) -> list[str]:
         if self.actors:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ def conflicts(r: Recipe) -> list[tuple[str, str]]:
         out.append(("producer_api.enabled", f"external producers need run.mode: stream (got {r.run.mode!r}): "
                                             "the other modes generate each batch with the rollout workers"))
     out += _learner_conflicts(r)
+    out += _engine_conflicts(r)
     for key, host in (("engines.host", r.engines.host), ("producer_api.host", r.producer_api.host)):
         if _every_interface(host):
             out.append((key, f"is {host!r}, every interface of the machine; give the one address to listen on "
@@ -52,6 +55,28 @@ def conflicts(r: Recipe) -> list[tuple[str, str]]:
                 out.append((f"placement.{name}.resources", f"{res!r} is set by the run (learner.num_gpus, "
                                                            "engines.*): name only custom resources here"))
     return out
+
+
+def _engine_conflicts(r: Recipe) -> list[tuple[str, str]]:
+    """engines.python: an absolute path to an executable file (checked on the machine that loads the
+    recipe; engines on other nodes need it at the same path), for SGLang engines only."""
+    exe = r.engines.python
+    if exe is None:
+        return []
+    key = "engines.python"
+    if r.engines.backend == "embedded":
+        return [(key, f"is {exe!r} but engines.backend is embedded, which runs in StreamRL's own interpreter: "
+                      "set backend: sglang (or auto), or remove engines.python")]
+    if not os.path.isabs(exe):
+        found = shutil.which(exe)
+        return [(key, f"is {exe!r}, not an absolute path (engines start in Ray workers, whose working directory "
+                      "and PATH are not yours)" + (f"; on this machine that name is {found}" if found else ""))]
+    if not os.path.isfile(exe):
+        return [(key, f"is {exe!r}, which " + ("is a directory, not an interpreter (give .../bin/python)"
+                                                 if os.path.isdir(exe) else "does not exist on this machine"))]
+    if not os.access(exe, os.X_OK):
+        return [(key, f"is {exe!r}, which is not executable")]
+    return []
 
 
 def _learner_conflicts(r: Recipe) -> list[tuple[str, str]]:

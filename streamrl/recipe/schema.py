@@ -278,6 +278,9 @@ class EnginesCfg(_Cfg):
     extra_args: list[str] = []  # SGLang launch_server arguments
     keep_weights: NonNegInt = 2  # pushed versions kept under RUN_DIR/weights (disk sync); 0 = all
     cpus: list[NonNegInt] = []  # embedded engines: pin to these cores (Linux); empty = no pinning
+    # SGLang engines: the Python interpreter that starts them, for engines kept in their own environment
+    # (docs/gpu.md); None = the one running StreamRL. Must exist and be executable on every engine node
+    python: str | None = None
 
 
 class Recipe(_Cfg):

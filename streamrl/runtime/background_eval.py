@@ -90,7 +90,8 @@ class BackgroundEval:
         # but no CPU reserved: the run's Ray cluster is sized for the rollout engines.
         spec = EngineLauncher(self.model_dir, 1, None, self.backend, self.log_dir / "eval",  # type: ignore[arg-type]
                               self.extra_args, tp=self.tp, num_cpus=0, engine_kwargs=self.engine_kwargs,
-                              startup_timeout_s=self.startup_timeout_s, keys=self.keys)
+                              startup_timeout_s=self.startup_timeout_s, keys=self.keys,
+                              python=self.recipe.engines.python)
         self._actor = spec.new_actor(0)
         try:
             self.url = await self._actor.start.remote()

@@ -123,7 +123,7 @@ class Services:
                                       log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
                                       host=NODE if node else r.engines.host, num_cpus=placement.ENGINE_CPUS,
-                                      placement_group=self.engines_pg)
+                                      placement_group=self.engines_pg, python=r.engines.python)
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
         bg_up = None
