@@ -16,6 +16,7 @@ from typing import Any
 from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.plugins.data import PromptRecord
 from streamrl.plugins.rewards import RewardHub
+from streamrl.plugins.slime import reward_hub
 from streamrl.producers import episode as agent
 from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import Recipe
@@ -32,7 +33,7 @@ def eval_due(run: Any, version: int) -> bool:
 async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRecord], recipe: Recipe,
                    concurrency: int = 64) -> dict[str, Any]:
     ro, k = recipe.rollout, recipe.data.eval_samples
-    hub = RewardHub(recipe.reward.fn, recipe.reward.args)
+    hub = reward_hub(recipe, getattr(client, "base_url", None))
     sem = asyncio.Semaphore(concurrency)
     versions: set[str] = set()
     if recipe.env is not None:
