@@ -137,8 +137,7 @@ def test_env_and_custom_generate_are_checked_at_load(tmp_path):
     assert "env.fn:" in err and "it is not async" in err and "expected async fn(task, llm, **env.args)" in err, err
     err = _load_error(_recipe(tmp_path, env={"fn": f"{m}:generate"}))
     assert "missing a required argument: 'sampling_params'" in err and "add `style: slime` to env" in err, err
-    err = _load_error(_recipe(tmp_path, env={"fn": f"{m}:generate", "style": "slime"}))
-    assert "custom generate (style: slime on env) is not supported yet" in err, err
+    load_recipe(_recipe(tmp_path, env={"fn": f"{m}:generate", "style": "slime"}))
 
 
 def test_data_generate_is_checked_at_load(tmp_path):
@@ -238,3 +237,77 @@ def test_views_are_slime_samples():
     assert s.get_reward_value(type("A", (), {"reward_key": "acc"})()) == 1.0
     assert s.effective_response_length == 2 and s.to_dict()["status"] == "pending"
     assert textwrap.dedent("x") == "x"
+
+
+# ---------------------------------------------------------------- the custom generate's proxy
+
+
+class _FakeEngine:
+    """Answers like SGLangClient.generate: the first call is aborted after 2 tokens by a version
+    update (v0), the resubmission finishes on v1."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    async def generate(self, ids, params):
+        from types import SimpleNamespace
+
+        self.calls.append(list(ids))
+        first = len(self.calls) == 1
+        out = [11, 12] if first else [13]
+        version = 0 if first else 1
+        return SimpleNamespace(output_ids=out, logprobs=[-0.25] * len(out), finish_type="abort" if first else "stop",
+                               version_spans=lambda: [VersionSpan(version, 0, len(out))])
+
+
+class _Tok:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) if i > 31 else "?" for i in ids)
+
+
+def test_generate_proxy_serves_sglang_generate_with_exact_versions():
+    import aiohttp
+
+    from streamrl.producers.episode import Episode, to_samples
+    from streamrl.producers.generate_proxy import GenerateProxy
+
+    async def go():
+        engine = _FakeEngine()
+        ep = Episode(engine, _Tok(), sampling={"temperature": 1.0}, max_new_tokens=8, max_context=100)
+        proxy = GenerateProxy()
+        await proxy.start()
+        try:
+            port = await proxy.open(ep)
+            url = f"http://127.0.0.1:{port}/generate"
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json={"input_ids": [1, 2], "return_logprob": True,
+                                                   "sampling_params": {"max_new_tokens": 5}}) as r:
+                    first = await r.json()
+                async with session.post(url, json={"input_ids": [9], "sampling_params": {}}) as r:
+                    refused = (r.status, await r.json())
+                async with session.post(url, json={"input_ids": [1, 2, 11, 12, 13, 40],
+                                                   "sampling_params": {"max_new_tokens": 1}}) as r:
+                    second = await r.json()
+                proxy.close_session(port)
+                async with session.post(url, json={"input_ids": [1]}) as r:
+                    closed = r.status
+        finally:
+            await proxy.close()
+        return engine, ep, first, refused, second, closed
+
+    engine, ep, first, refused, second, closed = asyncio.run(go())
+    # one answer for the call: the abort was resumed inside the proxy, as prompt + tokens so far
+    assert engine.calls[:2] == [[1, 2], [1, 2, 11, 12]]
+    assert first["output_ids"] == [11, 12, 13] and first["meta_info"]["finish_reason"] == {"type": "stop"}
+    assert first["meta_info"]["output_token_logprobs"] == [[-0.25, 11, None], [-0.25, 12, None], [-0.25, 13, None]]
+    assert first["meta_info"]["weight_version"] == "1"
+    assert refused[0] == 400 and "do not extend" in refused[1]["error"]["message"]
+    assert second["output_ids"] == [13] and "output_token_logprobs" not in second["meta_info"]
+    assert closed == 404
+    prompt, (s,) = to_samples([ep])
+    assert prompt == [1, 2] and s.response_tokens.tolist() == [11, 12, 13, 40, 13]
+    assert s.loss_mask.tolist() == [1, 1, 1, 0, 1]
+    assert [(sp.version, sp.start, sp.end) for sp in s.spans] == [(0, 0, 2), (1, 2, 5)]

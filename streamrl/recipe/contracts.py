@@ -32,10 +32,6 @@ EXPECTED = {
     ("data", "streamrl"): "fn(out_dir, **data.generate.args)",
 }
 
-# Contracts the schema knows but the runtime does not run yet.
-NOT_YET = {("env", "slime"): "slime's custom generate (style: slime on env) is not supported yet (docs/slime.md "
-                             "says what remains); port it to an env function async fn(task, llm) meanwhile"}
-
 # First parameters of StreamRL-style functions (a slime-style one takes `args` first).
 STREAMRL_FIRST = ("response", "responses", "group", "task", "out_dir")
 
@@ -93,8 +89,6 @@ def problem(key: str, ref: FnRef, fn: Any) -> str | None:
         return None
     if (hub, ref.style) not in EXPECTED:
         return f"style {ref.style!r} is not available here: {key} calls {EXPECTED[(hub, 'streamrl')]}"
-    if (hub, ref.style) in NOT_YET:
-        return f"{shown(ref.fn, fn)}: {NOT_YET[(hub, ref.style)]}"
     try:
         params = dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # no signature to read (a builtin): the first call will tell

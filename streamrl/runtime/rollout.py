@@ -36,6 +36,7 @@ from streamrl.pools import open_pool
 from streamrl.plugins.filters import FilterHub
 from streamrl.plugins.slime import reward_hub, slime_args
 from streamrl.producers import episode as agent
+from streamrl.producers.generate_proxy import SlimeGenerateHub
 from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import Recipe
 from streamrl.runtime.runlog import RunLog, now_ns
@@ -74,7 +75,7 @@ class RolloutWorker:
         self.client = SGLangClient(router_url, connect_retries=2, keys=Keys(api=api_key))  # generation only
         self.log = RunLog(recipe.run_dir, echo=False)
         self.rewards = reward_hub(recipe, router_url)  # style: slime functions get slime's args and Samples
-        self.env = agent.EnvHub(recipe.env.fn, recipe.env.args) if recipe.env else None
+        self.env = env_hub(recipe, router_url)
         self.proxy: Any = None  # the OpenAI-compatible endpoint env episodes get (started by _resume)
         if self.env is not None:
             self.max_context = agent.context_length(recipe.model.path)
@@ -152,6 +153,8 @@ class RolloutWorker:
         await self.stop()
         if self.proxy is not None:
             await self.proxy.close()
+        if isinstance(self.env, SlimeGenerateHub):
+            await self.env.close()
         await self.client.close()
         self.pool.close()
 
@@ -254,6 +257,8 @@ class RolloutWorker:
         if self.env is not None:
             self.proxy = OpenAIProxy()
             await self.proxy.start()
+            if isinstance(self.env, SlimeGenerateHub):
+                await self.env.start()
         known = self.pool.producer_groups(self.producer_id)
         self._known = set(known)
         self.started = sum(1 for st, _ in known.values() if st not in (None, "partial", "dropped", "failed"))
@@ -286,6 +291,8 @@ class RolloutWorker:
                                  max_new_tokens=self.r.rollout.max_new_tokens, max_context=self.max_context,
                                  policy=self.policy, retries=partial.ENGINE_RETRIES) for _ in range(self.r.rollout.n_samples)]
             prompt, samples = await agent.play_group(self.env, self.proxy, eps, task, self.rewards, meta)
+            if isinstance(self.env, SlimeGenerateHub):
+                self.env.amend(eps, samples)
             for ep in eps:
                 self.stats["gen_tokens"] += ep.stats["gen_tokens"]
                 self.stats["interrupted_calls"] += ep.stats["interruptions"]
@@ -413,6 +420,16 @@ class RolloutWorker:
                 self._failed_in_a_row += 1
                 self._last_failure = error
         return group
+
+
+def env_hub(recipe: Recipe, router_url: str | None = None) -> Any:
+    """The recipe's environment hub: an env function, or slime's custom generate (`style: slime`)."""
+    ref = recipe.env
+    if ref is None:
+        return None
+    if ref.style == "slime":
+        return SlimeGenerateHub(ref, slime_args(recipe, ref.args, router_url))
+    return agent.EnvHub(ref.fn, ref.args)
 
 
 def worker_actor(num_cpus: float = 0.5) -> Any:
