@@ -100,3 +100,27 @@ async def generate(args, sample, sampling_params):
         sample.status = {"length": sample.Status.TRUNCATED, "abort": sample.Status.ABORTED}.get(
             finish, sample.Status.COMPLETED)
     return sample
+
+
+async def generate_text(args, sample, sampling_params):
+    """The same two turns the way slime's multi-turn examples (search-r1) write them: each call
+    sends the whole conversation as `text`, and the sample is filled with append_response_tokens."""
+    tok = _tokenizer(args.hf_checkpoint)
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    sample.tokens = tok(sample.prompt, add_special_tokens=False)["input_ids"]
+    response = ""
+    for turn in range(2):
+        if turn:
+            tool = tok(TOOL_TEXT, add_special_tokens=False)["input_ids"]
+            response += TOOL_TEXT
+            sample.append_response_tokens(args, tokens=tool, trainable=False, text=TOOL_TEXT)
+        params = dict(sampling_params, max_new_tokens=sampling_params["max_new_tokens"] // 2)
+        output = await _post(url, {"text": sample.prompt + response, "sampling_params": params, "return_logprob": True})
+        if output["meta_info"]["finish_reason"]["type"] == "abort":
+            sample.status = sample.Status.ABORTED
+            return sample
+        items = output["meta_info"]["output_token_logprobs"]
+        response += output["text"]
+        sample.append_response_tokens(args, tokens=[i[1] for i in items], log_probs=[i[0] for i in items],
+                                      trainable=True, meta_info=output["meta_info"], text=output["text"])
+    return sample

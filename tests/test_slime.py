@@ -311,3 +311,54 @@ def test_generate_proxy_serves_sglang_generate_with_exact_versions():
     assert prompt == [1, 2] and s.response_tokens.tolist() == [11, 12, 13, 40, 13]
     assert s.loss_mask.tolist() == [1, 1, 1, 0, 1]
     assert [(sp.version, sp.start, sp.end) for sp in s.spans] == [(0, 0, 2), (1, 2, 5)]
+
+
+def test_generate_proxy_text_calls_tokenize_only_what_is_new():
+    """slime's multi-turn examples send the whole text each turn: only the part after the text
+    so far (sent + answered) is tokenized; the model's tokens stay the ones it sampled."""
+    import aiohttp
+
+    from streamrl.producers.episode import Episode, to_samples
+    from streamrl.producers.generate_proxy import GenerateProxy
+
+    async def go():
+        engine = _FakeEngine()
+        ep = Episode(engine, _Tok(), sampling={"temperature": 1.0}, max_new_tokens=8, max_context=100)
+        proxy = GenerateProxy()
+        await proxy.start()
+        try:
+            port = await proxy.open(ep)
+            url = f"http://127.0.0.1:{port}/generate"
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json={"text": "ab", "sampling_params": {}}) as r:
+                    first = await r.json()
+                async with session.post(url, json={"text": "ab" + first["text"] + "Z",
+                                                   "sampling_params": {"max_new_tokens": 1}}) as r:
+                    second = await r.json()
+                async with session.post(url, json={"text": "zz", "sampling_params": {}}) as r:
+                    refused = (r.status, await r.json())
+        finally:
+            await proxy.close()
+        return ep, first, second, refused
+
+    ep, first, second, refused = asyncio.run(go())
+    assert first["output_ids"] == [11, 12, 13] and first["text"] == "???"
+    assert second["output_ids"] == [13]
+    assert refused[0] == 400 and "does not extend this sample's text" in refused[1]["error"]["message"]
+    prompt, (s,) = to_samples([ep])
+    assert prompt == [ord("a"), ord("b")]
+    assert s.response_tokens.tolist() == [11, 12, 13, ord("Z"), 13] and s.loss_mask.tolist() == [1, 1, 1, 0, 1]
+
+
+def test_sample_append_response_tokens_keeps_fields_aligned():
+    from streamrl.plugins.slime import Sample
+
+    s = Sample(tokens=[1, 2])
+    s.append_response_tokens(None, tokens=[5, 6], log_probs=[-0.1, -0.2], text="hi",
+                             meta_info={"weight_version": "3", "finish_reason": {"type": "length"}})
+    s.append_response_tokens(None, tokens=[7], trainable=False, text="!")
+    assert s.tokens == [1, 2, 5, 6, 7] and s.response == "hi!" and s.response_length == 3
+    assert s.loss_mask == [1, 1, 0] and s.rollout_log_probs == [-0.1, -0.2, 0.0]
+    assert s.weight_versions == ["3"] and s.status is Sample.Status.TRUNCATED
+    with pytest.raises(ValueError, match="need their rollout log-probs"):
+        s.append_response_tokens(None, tokens=[8])

@@ -67,12 +67,14 @@ def test_a_filter_that_always_raises_stops_the_run(tmp_path: Path, tiny_model: P
     assert "no_such_field" in res.stderr
 
 
+@pytest.mark.parametrize("fn", ["generate", "generate_text"])
 def test_slime_custom_generate_keeps_versions_exact(tmp_path: Path, tiny_model: Path,
-                                                   task_data: dict[str, Path]) -> None:
-    """slime's custom generate POSTs /generate to the address in its args (a StreamRL proxy):
-    the stored samples are the exact tokens, log-probs and versions of those calls, the tool
-    text between its two calls is masked, and a call a version update interrupted carries two
-    versions, each span's log-probs its own version's."""
+                                                   task_data: dict[str, Path], fn: str) -> None:
+    """slime's custom generate POSTs /generate to the address in its args (a StreamRL proxy),
+    with input_ids or (generate_text) the whole text each turn: the stored samples are the exact
+    tokens, log-probs and versions of those calls, the tool text between its two calls is masked,
+    and a call a version update interrupted carries two versions, each span's log-probs its own
+    version's."""
     import numpy as np
     from transformers import AutoTokenizer
 
@@ -82,7 +84,7 @@ def test_slime_custom_generate_keeps_versions_exact(tmp_path: Path, tiny_model: 
     steps = 6  # eta 1: the next groups generate while the learner trains, so updates interrupt them
     recipe = write_recipe(tmp_path, tiny_model, task_data["train"], {
         "run.steps": steps, "rollout.max_new_tokens": 48, "staleness.max_staleness": 1,
-        "engines.keep_weights": 0, "env": {"fn": "slimekit:generate", "style": "slime"},
+        "engines.keep_weights": 0, "env": {"fn": f"slimekit:{fn}", "style": "slime"},
         "reward": {"fn": "slimekit:reward_func", "style": "slime", "args": {"reward_key": "score"}}})
     run_dir = tmp_path / "run"
     run_recipe(recipe, run_dir)

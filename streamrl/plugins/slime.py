@@ -77,6 +77,42 @@ class Sample:
     session_id: str | None = None
     non_generation_time: float = 0.0
 
+    def append_response_tokens(self, args: Any = None, *, tokens: Any = None, log_probs: Any = None,
+                               trainable: bool = True, meta_info: dict[str, Any] | None = None,
+                               text: str | None = None, update_terminal_info: bool = True) -> None:
+        """Add response tokens (the model's with their log-probs, or a tool's with trainable=False),
+        keeping tokens, response_length, loss_mask and rollout_log_probs aligned, as slime's does."""
+        tokens = [int(t) for t in (tokens or [])]
+        lps = None if log_probs is None else [float(x) for x in log_probs]
+        if lps is not None and len(lps) != len(tokens):
+            raise ValueError(f"{len(lps)} log-probs for {len(tokens)} tokens")
+        if tokens and trainable and lps is None:
+            raise ValueError("trainable response tokens need their rollout log-probs")
+        if not trainable:
+            if lps is not None and tokens:
+                raise ValueError("tokens that are not trainable take no log-probs")
+            lps = [0.0] * len(tokens)
+        if text is not None:
+            self.response += text
+        before = self.response_length
+        self.tokens += tokens
+        self.response_length += len(tokens)
+        self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * before) + \
+            [1 if trainable else 0] * len(tokens)
+        if lps is not None:
+            self.rollout_log_probs = (self.rollout_log_probs if self.rollout_log_probs is not None else
+                                      [0.0] * before) + lps
+        if meta_info is not None and update_terminal_info:
+            self.update_from_meta_info(args, meta_info)
+
+    def update_from_meta_info(self, args: Any, meta_info: dict[str, Any]) -> None:
+        """The weight version and finish reason of an engine answer."""
+        if "weight_version" in meta_info:
+            self.weight_versions.append(meta_info["weight_version"])
+        finish = (meta_info.get("finish_reason") or {}).get("type")
+        if finish in _STATUS:
+            self.status = _STATUS[finish]
+
     def get_reward_value(self, args: Any) -> Any:
         """The reward: `reward[args.reward_key]` when the namespace names a key, else `reward`."""
         key = getattr(args, "reward_key", None)
@@ -121,7 +157,9 @@ def slime_args(recipe: Recipe, extras: dict[str, Any] | None = None, router_url:
         reward_key=None, eval_reward_key=None, group_rm=False, rm_type=None, rm_url=None,
         custom_rm_path=r.reward.fn if r.reward.style == "slime" else None,
         dynamic_sampling_filter_path=next((f.fn for f in r.filters if f.style == "slime"), None),
-        custom_generate_function_path=None, partial_rollout=r.staleness.partial_rollout != "restart",
+        # StreamRL resumes interrupted generations itself (staleness.partial_rollout): user code never sees an abort
+        custom_generate_function_path=r.env.fn if r.env is not None and r.env.style == "slime" else None,
+        partial_rollout=False,
         mask_offpolicy_in_partial_rollout=False, sglang_router_ip=url.hostname if url else None,
         sglang_router_port=url.port if url else None, sglang_dp_size=None, sglang_speculative_algorithm=None,
         sglang_server_concurrency=ro.max_concurrency, rollout_num_gpus_per_engine=r.engines.tp,

@@ -49,6 +49,7 @@ class GenerateProxy:
         self._free: list[int] = []
         self._sites: list[web.SockSite] = []
         self._locks: dict[int, asyncio.Lock] = {}
+        self._texts: dict[int, str | None] = {}  # a sample's context as text, while its calls send `text`
 
     async def start(self) -> None:
         self._runner = web.AppRunner(self.app, access_log=None)
@@ -71,11 +72,13 @@ class GenerateProxy:
         port = self._free.pop()
         self.sessions[port] = episode
         self._locks[port] = asyncio.Lock()
+        self._texts[port] = ""
         return port
 
     def close_session(self, port: int) -> None:
         if self.sessions.pop(port, None) is not None:
             self._locks.pop(port, None)
+            self._texts.pop(port, None)
             self._free.append(port)
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -93,7 +96,8 @@ class GenerateProxy:
             return _error(400, "the body is not a JSON object")
         async with self._locks[port]:
             try:
-                return web.json_response(await _serve(ep, body))
+                out, self._texts[port] = await _serve(ep, body, self._texts[port])
+                return web.json_response(out)
             except EpisodeError as e:
                 return _error(400, str(e))
             except _BadRequest as e:
@@ -108,10 +112,20 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
-async def _serve(ep: Episode, body: dict[str, Any]) -> dict[str, Any]:
+def _new_context(ep: Episode, body: dict[str, Any], text_so_far: str | None) -> list[int]:
+    """The tokens this call adds to the sample's context. `input_ids` must start with the
+    context so far; `text` (the whole text again, as slime's multi-turn examples send it) must
+    start with the text so far (what was sent and answered), and only the rest is tokenized: the
+    model's own tokens are never re-tokenized."""
+    if body.get("input_ids") is None and isinstance(body.get("text"), str):
+        text = body["text"]
+        if text_so_far is None:
+            raise _BadRequest("`text` after calls with input_ids: keep to one of the two for a sample")
+        if not text.startswith(text_so_far):
+            raise _BadRequest(f"`text` does not extend this sample's text so far ({len(text_so_far)} characters: what "
+                              "was sent and the answers, unchanged): a call continues the sample")
+        return ep._encode(text[len(text_so_far):]) if len(text) > len(text_so_far) else []
     ids = body.get("input_ids")
-    if ids is None and isinstance(body.get("text"), str):
-        ids = ep._encode(body["text"])
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise _BadRequest("input_ids must be a non-empty list of token ids (or give `text`); a batch of prompts "
                           "is not supported: one call generates for one sample")
@@ -119,10 +133,17 @@ async def _serve(ep: Episode, body: dict[str, Any]) -> dict[str, Any]:
     if ids[:have] != ep.tokens:
         raise _BadRequest(f"input_ids do not extend this sample's context so far ({have} tokens): a call continues "
                           "the sample, with the tokens generated before and anything added after them")
+    return ids[have:]
+
+
+async def _serve(ep: Episode, body: dict[str, Any], text_so_far: str | None) -> tuple[dict[str, Any], str | None]:
+    """SGLang's answer to one call, and the sample's text so far after it (None once a call gave input_ids)."""
+    new = _new_context(ep, body, text_so_far)
+    by_text = body.get("input_ids") is None
     params = body.get("sampling_params") or {}
     stop = params.get("stop")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
-    ep.observe(ids[have:])
+    ep.observe(new)
     turn = await ep._sample(ep.tokens, ep._budget(params.get("max_new_tokens"), len(ep.tokens)), stop or None)
     context = len(ep.tokens)
     ep._commit(turn)
@@ -133,7 +154,8 @@ async def _serve(ep: Episode, body: dict[str, Any]) -> dict[str, Any]:
     }
     if body.get("return_logprob"):
         meta["output_token_logprobs"] = [[float(lp), int(t), None] for lp, t in zip(turn.logprobs, turn.tokens)]
-    return {"text": turn.text, "output_ids": list(turn.tokens), "meta_info": meta}
+    text = body["text"] + turn.text if by_text else None
+    return {"text": turn.text, "output_ids": list(turn.tokens), "meta_info": meta}, text
 
 
 class SlimeGenerateHub:
