@@ -362,3 +362,15 @@ def test_sample_append_response_tokens_keeps_fields_aligned():
     assert s.weight_versions == ["3"] and s.status is Sample.Status.TRUNCATED
     with pytest.raises(ValueError, match="need their rollout log-probs"):
         s.append_response_tokens(None, tokens=[8])
+
+
+def test_message_prompts_are_rendered_as_slime_does():
+    from streamrl.plugins.slime import prompt_text
+
+    class Tok:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert tokenize is False and add_generation_prompt is True
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    assert prompt_text([{"role": "user", "content": "1+1="}], Tok()) == "<user>1+1=<assistant>"
+    assert prompt_text("1+1=", Tok()) == "1+1=" and prompt_text([{"role": "user"}], None) == [{"role": "user"}]

@@ -54,9 +54,11 @@ def min_scored(group: SampleGroup, fraction: float = 1.0, **_: object) -> bool:
 class FilterHub:
     """The recipe's filters in order; `check` returns the first one's drop reason."""
 
-    def __init__(self, refs: list[FnRef], slime_args: Any = None, decode: Callable[[list[int]], str] | None = None) -> None:
+    def __init__(self, refs: list[FnRef], slime_args: Any = None, decode: Callable[[list[int]], str] | None = None,
+                 tokenizer: Any = None) -> None:
         """`slime_args`: the namespace `style: slime` filters get (streamrl.plugins.slime.slime_args);
-        `decode`: token ids -> text, for their samples' `response`."""
+        `decode`: token ids -> text, for their samples' `response`; `tokenizer` renders a message-list
+        prompt as slime does."""
         self.filters: list[tuple[str, Callable[..., Any], dict[str, Any]]] = []
         for i, ref in enumerate(refs):
             try:
@@ -68,7 +70,7 @@ class FilterHub:
                                  "fn(group, **args) -> bool")
             name = getattr(fn, "__name__", ref.fn.rpartition(":")[2])
             if ref.style == "slime":
-                self.filters.append((name, SlimeFilter(fn, slime_args, ref.args, decode), {}))
+                self.filters.append((name, SlimeFilter(fn, slime_args, ref.args, decode, tokenizer), {}))
                 continue
             _check_args(fn, ref, i)
             self.filters.append((name, fn, dict(ref.args)))

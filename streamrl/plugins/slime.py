@@ -189,6 +189,14 @@ def sample_view(index: int, prompt: Any, label: Any, response: str, stored: Stor
     return s
 
 
+def prompt_text(prompt: Any, tokenizer: Any = None) -> Any:
+    """The prompt as slime's samples hold it: a message list rendered with the tokenizer's chat
+    template (slime's --apply-chat-template), a text prompt as it is."""
+    if isinstance(prompt, list) and tokenizer is not None and hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
 def _metadata(record: dict[str, Any] | None) -> dict[str, Any]:
     meta = (record or {}).get("metadata")
     return dict(meta) if isinstance(meta, dict) else {}
@@ -198,12 +206,13 @@ class SlimeRewardHub(RewardHub):
     """RewardHub for `style: slime` reward functions: fn(args, sample) or, with group_rm,
     fn(args, samples). Never raises for anything the function does."""
 
-    def __init__(self, ref: FnRef, args: argparse.Namespace, timeout_s: float = 60) -> None:
+    def __init__(self, ref: FnRef, args: argparse.Namespace, timeout_s: float = 60, tokenizer: Any = None) -> None:
         try:
             self.fn = resolve_fn(ref.fn)
         except ValueError as e:
             raise ValueError(f"reward.fn {ref.fn!r}: {e}") from None
         self.path, self.args, self.timeout_s, self.ns = ref.fn, {}, timeout_s, args
+        self.tokenizer = tokenizer
         self.name = getattr(self.fn, "__name__", ref.fn.rpartition(":")[2])
         self.per_group = bool(getattr(args, "group_rm", False))
         self._is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(type(self.fn).__call__)
@@ -226,7 +235,7 @@ class SlimeRewardHub(RewardHub):
                     samples: list[Any] | None = None, prompt_tokens: list[int] | None = None) -> list[Scored]:
         if not responses:
             return []
-        group_index = (record or {}).get("index")
+        group_index, prompt = (record or {}).get("index"), prompt_text(prompt, self.tokenizer)
         views = [sample_view(i, prompt, label, text, samples[i] if samples else None, prompt_tokens, group_index,
                              _metadata(record)) for i, text in enumerate(responses)]
         if not self.per_group:
@@ -256,8 +265,8 @@ class SlimeFilter:
     Dropped(reason) drops it; anything else it returns is an error (raised)."""
 
     def __init__(self, fn: Any, args: argparse.Namespace | None, extras: dict[str, Any],
-                 decode: Any = None) -> None:
-        self.fn, self.decode = fn, decode
+                 decode: Any = None, tokenizer: Any = None) -> None:
+        self.fn, self.decode, self.tokenizer = fn, decode, tokenizer
         self.ns = argparse.Namespace(**{**vars(args or argparse.Namespace()), **extras})
         self.name = getattr(fn, "__name__", "filter")
 
@@ -269,7 +278,8 @@ class SlimeFilter:
             if key and s.reward is not None:
                 reward = {**s.rewards, key: s.reward}
             text = self.decode(s.response_tokens.tolist()) if self.decode is not None else ""
-            out.append(sample_view(s.index, meta.get("prompt"), meta.get("label"), text, s, list(group.prompt_tokens),
+            out.append(sample_view(s.index, prompt_text(meta.get("prompt"), self.tokenizer), meta.get("label"), text, s,
+                                   list(group.prompt_tokens),
                                    meta.get("index"), _metadata(meta), reward))
         return out
 
@@ -284,9 +294,9 @@ class SlimeFilter:
         return True if keep else Dropped(str(reason) if reason else self.name)
 
 
-def reward_hub(recipe: Recipe, router_url: str | None = None) -> RewardHub:
+def reward_hub(recipe: Recipe, router_url: str | None = None, tokenizer: Any = None) -> RewardHub:
     """The recipe's reward hub, in the style its reference names."""
     ref = recipe.reward
     if ref.style == "slime":
-        return SlimeRewardHub(ref, slime_args(recipe, ref.args, router_url))
+        return SlimeRewardHub(ref, slime_args(recipe, ref.args, router_url), tokenizer=tokenizer)
     return RewardHub(ref.fn, ref.args)

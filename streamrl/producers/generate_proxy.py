@@ -33,7 +33,7 @@ from aiohttp import web
 
 from streamrl.connectors.ports import listen_socket, port_of
 from streamrl.producers.episode import Episode, EpisodeError
-from streamrl.plugins.slime import Sample, Status
+from streamrl.plugins.slime import Sample, Status, prompt_text
 from streamrl.recipe import FnRef, resolve_fn
 
 
@@ -162,14 +162,14 @@ class SlimeGenerateHub:
     """An env hub (the interface of streamrl.producers.episode.EnvHub) for a `style: slime`
     custom generate function; see the module doc."""
 
-    def __init__(self, ref: FnRef, args: argparse.Namespace, timeout_s: float = 600) -> None:
+    def __init__(self, ref: FnRef, args: argparse.Namespace, timeout_s: float = 600, tokenizer: Any = None) -> None:
         try:
             self.fn = resolve_fn(ref.fn)
         except ValueError as e:
             raise ValueError(f"env.fn {ref.fn!r}: {e}") from None
         if not inspect.iscoroutinefunction(self.fn):
             raise ValueError(f"env.fn {ref.fn!r} must be async (async def generate(args, sample, sampling_params))")
-        self.path, self.ns, self.timeout_s = ref.fn, args, timeout_s
+        self.path, self.ns, self.timeout_s, self.tokenizer = ref.fn, args, timeout_s, tokenizer
         self.proxy = GenerateProxy()
         self._returned: dict[int, Any] = {}
 
@@ -192,7 +192,8 @@ class SlimeGenerateHub:
         args = argparse.Namespace(**{**vars(self.ns), "sglang_router_ip": self.proxy.host,
                                      "sglang_router_port": port})
         record = task.get("record") or {}
-        sample = Sample(index=task.get("sample"), prompt=task.get("prompt", ""), label=task.get("label"),
+        sample = Sample(index=task.get("sample"), prompt=prompt_text(task.get("prompt", ""), self.tokenizer),
+                        label=task.get("label"),
                         metadata=dict(record.get("metadata") or {}) if isinstance(record, dict) else {})
         try:
             async with asyncio.timeout(self.timeout_s):

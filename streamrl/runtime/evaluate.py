@@ -34,7 +34,7 @@ def eval_due(run: Any, version: int) -> bool:
 async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRecord], recipe: Recipe,
                    concurrency: int = 64) -> dict[str, Any]:
     ro, k = recipe.rollout, recipe.data.eval_samples
-    hub = reward_hub(recipe, getattr(client, "base_url", None))
+    hub = reward_hub(recipe, getattr(client, "base_url", None), tokenizer)
     sem = asyncio.Semaphore(concurrency)
     versions: set[str] = set()
     if recipe.env is not None:
@@ -68,7 +68,7 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
     """With a recipe `env`, the task is the environment's: each held-out prompt runs `k` sampled
     episodes and a greedy one (agents reach them through an OpenAI proxy, as in training); the
     accuracy is their mean reward (a failed episode scores 0)."""
-    ro, k, env = recipe.rollout, recipe.data.eval_samples, env_hub(recipe, getattr(client, "base_url", None))
+    ro, k, env = recipe.rollout, recipe.data.eval_samples, env_hub(recipe, getattr(client, "base_url", None), tokenizer)
     max_context = agent.context_length(recipe.model.path)
     sampled = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
     versions: set[str] = set()

@@ -74,13 +74,15 @@ class RolloutWorker:
                               write_ahead=recipe.pool.write_ahead)
         self.client = SGLangClient(router_url, connect_retries=2, keys=Keys(api=api_key))  # generation only
         self.log = RunLog(recipe.run_dir, echo=False)
-        self.rewards = reward_hub(recipe, router_url)  # style: slime functions get slime's args and Samples
-        self.env = env_hub(recipe, router_url)
+        # style: slime functions get slime's args and Samples
+        self.rewards = reward_hub(recipe, router_url, self.tokenizer)
+        self.env = env_hub(recipe, router_url, self.tokenizer)
         self.proxy: Any = None  # the OpenAI-compatible endpoint env episodes get (started by _resume)
         if self.env is not None:
             self.max_context = agent.context_length(recipe.model.path)
+        self._slime = any(ref.style == "slime" for ref in [recipe.reward, *recipe.filters, *filter(None, [recipe.env])])
         self.filters = FilterHub(recipe.filters, slime_args(recipe, router_url=router_url),
-                                 lambda ids: decode_response(self.tokenizer, ids))
+                                 lambda ids: decode_response(self.tokenizer, ids), self.tokenizer)
         ro = recipe.rollout
         self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
         self.version = version
@@ -228,6 +230,8 @@ class RolloutWorker:
         # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
         meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
                 "admitted_ns": admitted_ns}
+        if self._slime and isinstance(rec.record.get("metadata"), dict):  # slime Samples' `metadata` (its default key)
+            meta["metadata"] = rec.record["metadata"]
         if self.env is not None:
             task = {"prompt": rec.prompt, "label": rec.label, "id": rec.prompt_id, "record": rec.record}
             self._track(gid, self._run_env_group(gid, rec.prompt_id, meta, task))
@@ -422,13 +426,13 @@ class RolloutWorker:
         return group
 
 
-def env_hub(recipe: Recipe, router_url: str | None = None) -> Any:
+def env_hub(recipe: Recipe, router_url: str | None = None, tokenizer: Any = None) -> Any:
     """The recipe's environment hub: an env function, or slime's custom generate (`style: slime`)."""
     ref = recipe.env
     if ref is None:
         return None
     if ref.style == "slime":
-        return SlimeGenerateHub(ref, slime_args(recipe, ref.args, router_url))
+        return SlimeGenerateHub(ref, slime_args(recipe, ref.args, router_url), tokenizer=tokenizer)
     return agent.EnvHub(ref.fn, ref.args)
 
 
