@@ -151,3 +151,23 @@ def test_not_a_slime_script_exits_2(tmp_path: Path, capsys):
     p.write_text("echo hello\n")
     assert main(["recipe", "from-slime", str(p)]) == 2
     assert "no slime flags found" in capsys.readouterr().err
+
+
+def test_values_it_cannot_expand_are_listed_not_guessed(tmp_path: Path):
+    c = convert('NUM=8\nROLLOUT=$((NUM - 2))\npython3 train.py --hf-checkpoint $HF --num-rollout $NUM '
+                '--rollout-num-gpus "${ROLLOUT}" --prompt-data /d.jsonl\n')
+    assert c.recipe["run"]["steps"] == 8 and c.recipe["model"]["path"] == "MODEL_PATH"
+    why = dict(c.unmapped)
+    assert "could not expand" in why["--hf-checkpoint $HF"], why
+    assert "could not expand" in why["--rollout-num-gpus ${ROLLOUT}"], why
+    assert "set model.path" in why["(model.path)"]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(c.recipe))
+    load_recipe(path)
+
+
+def test_fully_async_rollout_streams_and_credentials_stay_out():
+    c = convert("python3 train_async.py --hf-checkpoint /m --prompt-data /d.jsonl --wandb-key abc123 "
+                "--rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async\n")
+    assert c.recipe["run"]["mode"] == "stream"
+    assert "abc123" not in yaml.safe_dump(c.recipe) and "WANDB_API_KEY" in dict(c.unmapped)["--wandb-key abc123"]

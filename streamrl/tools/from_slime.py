@@ -61,6 +61,7 @@ UNMAPPED = {
     "--num-gpus-per-node": "placement comes from the Ray cluster's nodes",
     "--actor-num-nodes": "learner.num_gpus counts GPUs, wherever Ray places them",
     "--rm-url": "used only with --rm-type remote_rm",
+    "--wandb-group": "not a recipe setting (W&B reads WANDB_RUN_GROUP from the environment)",
 }
 # Megatron's model-shape flags (scripts/models/*.sh): the shape comes from model.path's config.json.
 MODEL_SHAPE = ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--group-query-attention",
@@ -152,7 +153,11 @@ def convert(text: str) -> Conversion:
         c.mapped.append((entry, f"run.mode {mode} (slime's {entry}; run.mode: stream is StreamRL's streaming mode)"))
     for flag, vals in fl:
         shown = " ".join([flag, *vals])
-        why = _one(c, flag, vals, given)
+        try:
+            why = _one(c, flag, vals, given)
+        except ValueError:  # a number that is not one, e.g. a variable the script computes at run time
+            why = f"a value is not a number ({' '.join(vals) or 'none given'}; a shell variable from-slime could " \
+                  "not expand?)"
         if isinstance(why, str):
             c.unmapped.append((shown, why))
         else:
@@ -172,6 +177,14 @@ def _fn(dotted: str) -> str:
 def _one(c: Conversion, flag: str, vals: list[str], given: dict[str, list[str]]) -> list[str] | str:
     """Set what `flag` maps to; the keys it set, or why it maps to nothing."""
     v = vals[0] if vals else None
+    if flag == "--wandb-key":
+        return "credentials do not belong in a recipe: set WANDB_API_KEY in the environment of the run"
+    if flag == "--rollout-function-path" and v and "fully_async" in v:
+        c.set("run.mode", "stream")
+        c.mapped = [(f, k) for f, k in c.mapped if not k.startswith("run.mode")]
+        return ["run.mode stream (slime's fully async rollout; staleness.max_staleness bounds how far behind)"]
+    if any("$" in x for x in vals):
+        return f"its value {' '.join(vals)!r} is a shell expression from-slime could not expand; set the key by hand"
     simple = {
         "--hf-checkpoint": ("model.path", str), "--prompt-data": ("data.path", str),
         "--input-key": ("data.prompt_key", str), "--label-key": ("data.label_key", str),
