@@ -379,3 +379,62 @@ def test_message_prompts_are_rendered_as_slime_does():
 
     assert prompt_text([{"role": "user", "content": "1+1="}], Tok()) == "<user>1+1=<assistant>"
     assert prompt_text("1+1=", Tok()) == "1+1=" and prompt_text([{"role": "user"}], None) == [{"role": "user"}]
+
+
+def test_generate_hub_reads_the_returned_sample(tmp_path):
+    import types
+
+    from streamrl.producers.episode import Episode, to_samples
+    from streamrl.producers.generate_proxy import SlimeGenerateHub
+
+    mod = types.ModuleType("slimegen_kit")
+
+    async def gen_eval(args, sample, sampling_params, evaluation=False):
+        assert sampling_params["max_new_tokens"] == args.rollout_max_response_len == 32
+        sample.reward = {"acc": 1.0 if evaluation else 0.0}
+        return sample
+
+    async def gen_fail(args, sample, sampling_params):
+        sample.status = sample.Status.FAILED
+        return sample
+
+    async def gen_list(args, sample, sampling_params):
+        return [sample, sample]
+
+    async def gen_call(args, sample, sampling_params):  # one real call through the proxy, then masks more
+        import aiohttp
+
+        url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+        async with aiohttp.ClientSession() as session, session.post(url, json={"input_ids": [1, 2]}) as r:
+            out = await r.json()
+        sample.loss_mask = [0] + [1] * (len(out["output_ids"]) - 1)
+        sample.response = "answer"
+        return sample
+
+    for f in (gen_eval, gen_fail, gen_list, gen_call):
+        setattr(mod, f.__name__, f)
+    import sys
+
+    sys.modules["slimegen_kit"] = mod
+    m = _module(tmp_path)
+    r = _recipe_obj(tmp_path, reward={"fn": f"{m}:reward_func", "style": "slime"})
+
+    async def run(name, evaluation=False):
+        hub = SlimeGenerateHub(FnRef(fn=f"slimegen_kit:{name}", style="slime"), slime_args(r), evaluation=evaluation)
+        await hub.start()
+        ep = Episode(_FakeEngine(), _Tok(), sampling={"temperature": 1.0}, max_new_tokens=8, max_context=100)
+        try:
+            out = await hub.run({"prompt": "p", "label": "l", "sample": 0}, ep)
+        finally:
+            await hub.close()
+        return hub, ep, out
+
+    assert asyncio.run(run("gen_eval", evaluation=True))[2] == ({"acc": 1.0}, None)
+    assert asyncio.run(run("gen_eval"))[2] == ({"acc": 0.0}, None)
+    assert asyncio.run(run("gen_fail"))[2] == (None, "slimegen_kit:gen_fail set the sample's status to failed")
+    assert "returned a list of samples" in asyncio.run(run("gen_list"))[2][1]
+    hub, ep, out = asyncio.run(run("gen_call"))
+    assert out == ("answer", None)
+    _, samples = to_samples([ep])
+    hub.amend([ep], samples)
+    assert samples[0].loss_mask.tolist() == [0, 1, 1]  # the returned mask masks more; it never unmasks

@@ -162,7 +162,10 @@ class SlimeGenerateHub:
     """An env hub (the interface of streamrl.producers.episode.EnvHub) for a `style: slime`
     custom generate function; see the module doc."""
 
-    def __init__(self, ref: FnRef, args: argparse.Namespace, timeout_s: float = 600, tokenizer: Any = None) -> None:
+    def __init__(self, ref: FnRef, args: argparse.Namespace, timeout_s: float = 600, tokenizer: Any = None,
+                 evaluation: bool = False) -> None:
+        """`evaluation`: the hub serves held-out evaluation (passed on as slime does, to a function
+        that takes an `evaluation` parameter)."""
         try:
             self.fn = resolve_fn(ref.fn)
         except ValueError as e:
@@ -170,6 +173,11 @@ class SlimeGenerateHub:
         if not inspect.iscoroutinefunction(self.fn):
             raise ValueError(f"env.fn {ref.fn!r} must be async (async def generate(args, sample, sampling_params))")
         self.path, self.ns, self.timeout_s, self.tokenizer = ref.fn, args, timeout_s, tokenizer
+        try:
+            takes = "evaluation" in inspect.signature(self.fn).parameters
+        except (TypeError, ValueError):
+            takes = False
+        self._extra = {"evaluation": evaluation} if takes else {}
         self.proxy = GenerateProxy()
         self._returned: dict[int, Any] = {}
 
@@ -197,7 +205,7 @@ class SlimeGenerateHub:
                         metadata=dict(record.get("metadata") or {}) if isinstance(record, dict) else {})
         try:
             async with asyncio.timeout(self.timeout_s):
-                out = await self.fn(args, sample, self._sampling_params())
+                out = await self.fn(args, sample, self._sampling_params(), **self._extra)
         except TimeoutError:
             return None, f"{self.path}: no result within {self.timeout_s}s"
         except Exception as e:  # noqa: BLE001 - a broken generate fails its sample, never the run

@@ -68,7 +68,8 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
     """With a recipe `env`, the task is the environment's: each held-out prompt runs `k` sampled
     episodes and a greedy one (agents reach them through an OpenAI proxy, as in training); the
     accuracy is their mean reward (a failed episode scores 0)."""
-    ro, k, env = recipe.rollout, recipe.data.eval_samples, env_hub(recipe, getattr(client, "base_url", None), tokenizer)
+    ro, k = recipe.rollout, recipe.data.eval_samples
+    env = env_hub(recipe, getattr(client, "base_url", None), tokenizer, evaluation=True)
     max_context = agent.context_length(recipe.model.path)
     sampled = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
     versions: set[str] = set()

@@ -426,13 +426,13 @@ class RolloutWorker:
         return group
 
 
-def env_hub(recipe: Recipe, router_url: str | None = None, tokenizer: Any = None) -> Any:
+def env_hub(recipe: Recipe, router_url: str | None = None, tokenizer: Any = None, evaluation: bool = False) -> Any:
     """The recipe's environment hub: an env function, or slime's custom generate (`style: slime`)."""
     ref = recipe.env
     if ref is None:
         return None
     if ref.style == "slime":
-        return SlimeGenerateHub(ref, slime_args(recipe, ref.args, router_url), tokenizer=tokenizer)
+        return SlimeGenerateHub(ref, slime_args(recipe, ref.args, router_url), tokenizer=tokenizer, evaluation=evaluation)
     return agent.EnvHub(ref.fn, ref.args)
 
 
