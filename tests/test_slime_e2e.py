@@ -13,6 +13,7 @@ from streamkit import (
     assert_ledger_balanced,
     check_step_metrics,
     pool_rows,
+    read_jsonl,
     read_metrics,
     run_recipe,
     task_data,  # noqa: F401 - fixtures
@@ -85,12 +86,16 @@ def test_slime_custom_generate_keeps_versions_exact(tmp_path: Path, tiny_model: 
     recipe = write_recipe(tmp_path, tiny_model, task_data["train"], {
         "run.steps": steps, "rollout.max_new_tokens": 48, "staleness.max_staleness": 1,
         "engines.keep_weights": 0, "env": {"fn": f"slimekit:{fn}", "style": "slime"},
+        "data.eval_path": str(task_data["eval"]), "data.eval_size": 2, "data.eval_samples": 2,
+        "run.eval_mode": "inline",
         "reward": {"fn": "slimekit:reward_func", "style": "slime", "args": {"reward_key": "score"}}})
     run_dir = tmp_path / "run"
     run_recipe(recipe, run_dir)
     check_step_metrics(read_metrics(run_dir), steps)
     stats = assert_ledger_balanced(run_dir)
     assert stats["groups_by_status"].get("consumed", 0) >= steps * 2
+    evals = read_jsonl(run_dir / "eval.jsonl")  # the held-out evaluation ran the generate too
+    assert len(evals) >= 2 and all(0.0 <= e["accuracy"] <= 1.0 for e in evals), evals
     tok = AutoTokenizer.from_pretrained(tiny_model)
     tool = tok(slimekit.TOOL_TEXT, add_special_tokens=False)["input_ids"]
     groups = pool_groups(run_dir, "status = 'consumed'")
