@@ -3,8 +3,9 @@ over-sampling selection.
 
 A filter is a plain function `fn(group: SampleGroup, **args) -> bool`; True keeps the group.
 A `style: slime` filter is slime's dynamic-sampling filter `fn(args, samples, **kwargs)`
-(streamrl/plugins/slime.py). A dropped group is still written to the pool (status `dropped`, `drop_reason` = the filter's
-name), so what a filter threw away can be queried later.
+(streamrl/plugins/slime.py). A dropped group is still written to the pool (status `dropped`,
+`drop_reason` = the filter's name, or a slime filter's reason), so what a filter threw away can
+be queried later.
 """
 
 from __future__ import annotations
