@@ -104,7 +104,7 @@ def test_good_full_recipe_values():
     assert r.data.shuffle is False
     assert r.rollout.temperature == pytest.approx(0.7) and isinstance(r.rollout.temperature, float)
     assert r.staleness.policy == "mask" and r.staleness.partial_rollout == "in_place"
-    assert [f.fn for f in r.filters] == ["streamrl.plugins.rewards:exact_match"] * 2
+    assert [f.fn for f in r.filters] == ["streamrl.plugins.filters:nonzero_std"] * 2
     assert r.filters[0].args == {"threshold": 0.5} and r.filters[1].args == {}
     assert r.env.args == {"count": 2, "names": ["a", "b"]}
     assert r.pool.commit_linger_ms == 0.0 and isinstance(r.pool.commit_linger_ms, float)
@@ -182,7 +182,7 @@ def test_override_list_items():
     )
     assert r.filters[0].args == {"threshold": 0.25}
     assert r.filters[1].args == {"k": [1, 2]}
-    assert r.filters[1].fn == "streamrl.plugins.rewards:exact_match"
+    assert r.filters[1].fn == "streamrl.plugins.filters:nonzero_std"
     assert r.env.args == {"count": 5, "names": ["a", "b"]}
 
 
@@ -195,8 +195,8 @@ def test_override_replaces_a_list_item_function_and_checks_it():
 
 
 def test_override_whole_list():
-    r = load_recipe(QUICKSTART, ["filters=[{fn: 'streamrl.plugins.rewards:exact_match'}]"])
-    assert r.filters == [FnRef(fn="streamrl.plugins.rewards:exact_match")]
+    r = load_recipe(QUICKSTART, ["filters=[{fn: 'streamrl.plugins.filters:nonzero_std'}]"])
+    assert r.filters == [FnRef(fn="streamrl.plugins.filters:nonzero_std")]
 
 
 def test_apply_overrides_reports_origin_paths():
@@ -343,7 +343,7 @@ def test_bad_recipe_message_names_file_line_and_key(name, line, key, fragment):
 def test_overriding_the_bad_key_fixes_the_recipe(name):
     fix = {
         "bad_enum.yaml": "staleness.policy=keep",
-        "bad_fn_attr_missing.yaml": "filters.1.fn=streamrl.plugins.rewards:exact_match",
+        "bad_fn_attr_missing.yaml": "filters.1.fn=streamrl.plugins.filters:nonzero_std",
     }[name]
     r = load_recipe(RECIPES / name, [fix])
     assert isinstance(r, Recipe)

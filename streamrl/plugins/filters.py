@@ -2,8 +2,10 @@
 over-sampling selection.
 
 A filter is a plain function `fn(group: SampleGroup, **args) -> bool`; True keeps the group.
-A dropped group is still written to the pool (status `dropped`, `drop_reason` = the filter's
-name), so what a filter threw away can be queried later.
+A `style: slime` filter is slime's dynamic-sampling filter `fn(args, samples, **kwargs)`
+(streamrl/plugins/slime.py). A dropped group is still written to the pool (status `dropped`,
+`drop_reason` = the filter's name, or a slime filter's reason), so what a filter threw away can
+be queried later.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.core.types import Sample, SampleGroup
+from streamrl.plugins.slime import Dropped, SlimeFilter
 from streamrl.recipe import FnRef, resolve_fn
 
 log = logging.getLogger("streamrl.plugins.filters")
@@ -52,7 +55,11 @@ def min_scored(group: SampleGroup, fraction: float = 1.0, **_: object) -> bool:
 class FilterHub:
     """The recipe's filters in order; `check` returns the first one's drop reason."""
 
-    def __init__(self, refs: list[FnRef]) -> None:
+    def __init__(self, refs: list[FnRef], slime_args: Any = None, decode: Callable[[list[int]], str] | None = None,
+                 tokenizer: Any = None) -> None:
+        """`slime_args`: the namespace `style: slime` filters get (streamrl.plugins.slime.slime_args);
+        `decode`: token ids -> text, for their samples' `response`; `tokenizer` renders a message-list
+        prompt as slime does."""
         self.filters: list[tuple[str, Callable[..., Any], dict[str, Any]]] = []
         for i, ref in enumerate(refs):
             try:
@@ -62,28 +69,39 @@ class FilterHub:
             if inspect.iscoroutinefunction(fn):
                 raise ValueError(f"filters[{i}].fn {ref.fn!r} is async; filters are plain functions "
                                  "fn(group, **args) -> bool")
+            name = getattr(fn, "__name__", ref.fn.rpartition(":")[2])
+            if ref.style == "slime":
+                self.filters.append((name, SlimeFilter(fn, slime_args, ref.args, decode, tokenizer), {}))
+                continue
             _check_args(fn, ref, i)
-            self.filters.append((getattr(fn, "__name__", ref.fn.rpartition(":")[2]), fn, dict(ref.args)))
+            self.filters.append((name, fn, dict(ref.args)))
         self._warned: set[int] = set()
 
     def check(self, group: SampleGroup) -> str | None:
         """None to keep the group, else the drop reason: the name of the first filter that
-        said False, or `NAME_error` when that filter raised or returned a non-bool."""
+        said False, or `NAME_error` when that filter raised or returned a non-bool (`error` below
+        then says what happened; the rollout worker stops the run when every group keeps failing)."""
+        return self.check_error(group)[0]
+
+    def check_error(self, group: SampleGroup) -> tuple[str | None, str | None]:
+        """(drop reason or None, the filter's error or None)."""
         for i, (name, fn, args) in enumerate(self.filters):
             try:
                 keep = fn(group, **args)
+                if isinstance(keep, Dropped):  # a slime-style filter's keep=False with its reason
+                    return keep.reason, None
                 if not isinstance(keep, (bool, np.bool_)):
                     raise TypeError(f"returned {type(keep).__name__} {keep!r:.80}; a filter returns True to "
                                     "keep the group, False to drop it")
-            except Exception as e:  # noqa: BLE001 - a filter bug drops groups, never stops the run
+            except Exception as e:  # noqa: BLE001 - a filter bug drops the group; failing groups stop the run
                 if i not in self._warned:  # once per filter: it will likely fail for every group
                     self._warned.add(i)
                     log.warning("filter %s failed on group %s (%s: %s); dropping the groups it fails on with "
                                 "reason %s_error", name, group.group_id, type(e).__name__, e, name)
-                return f"{name}_error"
+                return f"{name}_error", f"filter {name}: {type(e).__name__}: {e}"
             if not keep:
-                return name
-        return None
+                return name, None
+        return None, None
 
 
 def _check_args(fn: Callable[..., Any], ref: FnRef, i: int) -> None:

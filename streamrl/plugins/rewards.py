@@ -264,14 +264,14 @@ class RewardHub:
         kw = {k: v for k, v in offered.items() if self._accepts is None or k in self._accepts}
         return {**kw, **self.args}
 
-    async def _call(self, kw: dict[str, Any]) -> Any:
+    async def _call(self, kw: dict[str, Any], pos: tuple[Any, ...] = ()) -> Any:
         """The function's return value; raises _HubTimeout when it takes longer than timeout_s."""
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
                 # A sync function may be slow (a verifier, a sandbox): keep it off the loop. On
                 # timeout its thread runs on to the end; only its result is thrown away.
-                result = self.fn(**kw) if self._is_async else await asyncio.to_thread(self.fn, **kw)
+                result = self.fn(*pos, **kw) if self._is_async else await asyncio.to_thread(self.fn, *pos, **kw)
                 if inspect.isawaitable(result):
                     result = await result
                 return result
@@ -343,9 +343,11 @@ class RewardHub:
             return [Scored(None, {}, bad.error) for _ in range(n)]
         return [self.convert(v) for v in values]
 
-    async def score(self, prompt: Any, label: Any, responses: list[str],
-                    record: dict[str, Any] | None = None) -> list[Scored]:
-        """One Scored per response, in order. Never raises for anything the function does."""
+    async def score(self, prompt: Any, label: Any, responses: list[str], record: dict[str, Any] | None = None,
+                    samples: list[Any] | None = None, prompt_tokens: list[int] | None = None) -> list[Scored]:
+        """One Scored per response, in order. Never raises for anything the function does.
+        `samples` and `prompt_tokens` (the stored samples being scored) are for slime-style
+        functions (streamrl/plugins/slime.py); this hub does not pass them on."""
         if not responses:
             return []
         if self.per_group:

@@ -320,7 +320,8 @@ async def play_group(env: EnvHub, proxy: Any, episodes: list[Episode], task: dic
     answers = {i: out if isinstance(out, str) else (episodes[i].turns[-1] if episodes[i].turns else "")
                for i, (out, err) in enumerate(outs)
                if err is None and not samples[i].failed and (out is None or isinstance(out, str))}
-    scored = dict(zip(answers, await rewards.score(meta.get("prompt"), meta.get("label"), list(answers.values()), meta)))
+    scored = dict(zip(answers, await rewards.score(meta.get("prompt"), meta.get("label"), list(answers.values()), meta,
+                                                   samples=[samples[i] for i in answers], prompt_tokens=prompt)))
     for i, (s, (out, err)) in enumerate(zip(samples, outs)):
         if s.failed:
             s.error = err or s.error  # the environment's own error says more than "no model turn"

@@ -15,6 +15,8 @@ import msgspec
 import yaml
 
 from streamrl.recipe.checks import conflicts
+from streamrl.recipe.contracts import fn_refs
+from streamrl.recipe.contracts import problem as call_problem
 from streamrl.recipe.functions import check_call, choice_problems, fn_paths, resolve_fn
 from streamrl.recipe.schema import Recipe, RecipeError
 
@@ -189,6 +191,9 @@ def parse_recipe(text: str, where: str = "<recipe>", overrides: list[str] | None
             check_call(key, fn, resolve_fn(fn))
         except ValueError as e:
             raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {e}") from None
+    for key, ref in fn_refs(recipe) if resolve else []:  # each hub's call, bound against the function
+        if (why := call_problem(key, ref, resolve_fn(ref.fn))) is not None:
+            raise RecipeError(f"{_locate(where, key + '.fn', lines, origin)}: {key}.fn: {why}")
     for key, problem in conflicts(recipe):
         raise RecipeError(f"{_locate(where, key, lines, origin)}: {key}: {problem}")
     return recipe

@@ -43,6 +43,10 @@ class FnRef(_Cfg):
 
     fn: FnPath  # `pkg.module:function`, imported and checked when the recipe loads
     args: dict[str, Any] = {}  # keyword arguments it is called with
+    # slime: the function has slime's signature (reward fn(args, sample), filter fn(args, samples), env:
+    # custom generate fn(args, sample, sampling_params)); `args` above become attributes of the slime
+    # `args` namespace it gets (docs/slime.md)
+    style: Literal["streamrl", "slime"] = "streamrl"
 
 
 class RunCfg(_Cfg):

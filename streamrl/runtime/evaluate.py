@@ -16,10 +16,12 @@ from typing import Any
 from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.plugins.data import PromptRecord
 from streamrl.plugins.rewards import RewardHub
+from streamrl.plugins.slime import reward_hub
 from streamrl.producers import episode as agent
+from streamrl.producers.generate_proxy import SlimeGenerateHub
 from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import Recipe
-from streamrl.runtime.rollout import decode_response, encode_prompt
+from streamrl.runtime.rollout import decode_response, encode_prompt, env_hub
 
 
 def eval_due(run: Any, version: int) -> bool:
@@ -32,7 +34,7 @@ def eval_due(run: Any, version: int) -> bool:
 async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRecord], recipe: Recipe,
                    concurrency: int = 64) -> dict[str, Any]:
     ro, k = recipe.rollout, recipe.data.eval_samples
-    hub = RewardHub(recipe.reward.fn, recipe.reward.args)
+    hub = reward_hub(recipe, getattr(client, "base_url", None), tokenizer)
     sem = asyncio.Semaphore(concurrency)
     versions: set[str] = set()
     if recipe.env is not None:
@@ -66,12 +68,15 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
     """With a recipe `env`, the task is the environment's: each held-out prompt runs `k` sampled
     episodes and a greedy one (agents reach them through an OpenAI proxy, as in training); the
     accuracy is their mean reward (a failed episode scores 0)."""
-    ro, k, env = recipe.rollout, recipe.data.eval_samples, agent.EnvHub(recipe.env.fn, recipe.env.args)
+    ro, k = recipe.rollout, recipe.data.eval_samples
+    env = env_hub(recipe, getattr(client, "base_url", None), tokenizer, evaluation=True)
     max_context = agent.context_length(recipe.model.path)
     sampled = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
     versions: set[str] = set()
     proxy = OpenAIProxy()
     await proxy.start()
+    if isinstance(env, SlimeGenerateHub):
+        await env.start()
 
     async def group(rec: PromptRecord, n: int, sampling: dict[str, Any]) -> list[float]:
         eps = [agent.Episode(client, tokenizer, sampling=sampling, max_new_tokens=ro.max_new_tokens,
@@ -92,6 +97,8 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
         res = await asyncio.gather(*(one(r) for r in records))
     finally:
         await proxy.close()
+        if isinstance(env, SlimeGenerateHub):
+            await env.close()
     n = max(1, len(res))
     return {"accuracy": sum(a for a, _ in res) / n, "greedy_accuracy": sum(g for _, g in res) / n,
             "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),

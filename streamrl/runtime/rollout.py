@@ -34,8 +34,9 @@ from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_grou
 from streamrl.plugins.data import PromptRecord, PromptSource
 from streamrl.pools import open_pool
 from streamrl.plugins.filters import FilterHub
-from streamrl.plugins.rewards import RewardHub
+from streamrl.plugins.slime import reward_hub, slime_args
 from streamrl.producers import episode as agent
+from streamrl.producers.generate_proxy import SlimeGenerateHub
 from streamrl.producers.openai_proxy import OpenAIProxy
 from streamrl.recipe import Recipe
 from streamrl.runtime.runlog import RunLog, now_ns
@@ -73,12 +74,15 @@ class RolloutWorker:
                               write_ahead=recipe.pool.write_ahead)
         self.client = SGLangClient(router_url, connect_retries=2, keys=Keys(api=api_key))  # generation only
         self.log = RunLog(recipe.run_dir, echo=False)
-        self.rewards = RewardHub(recipe.reward.fn, recipe.reward.args)
-        self.env = agent.EnvHub(recipe.env.fn, recipe.env.args) if recipe.env else None
+        # style: slime functions get slime's args and Samples
+        self.rewards = reward_hub(recipe, router_url, self.tokenizer)
+        self.env = env_hub(recipe, router_url, self.tokenizer)
         self.proxy: Any = None  # the OpenAI-compatible endpoint env episodes get (started by _resume)
         if self.env is not None:
             self.max_context = agent.context_length(recipe.model.path)
-        self.filters = FilterHub(recipe.filters)
+        self._slime = any(ref.style == "slime" for ref in [recipe.reward, *recipe.filters, *filter(None, [recipe.env])])
+        self.filters = FilterHub(recipe.filters, slime_args(recipe, router_url=router_url),
+                                 lambda ids: decode_response(self.tokenizer, ids), self.tokenizer)
         ro = recipe.rollout
         self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
         self.version = version
@@ -151,6 +155,8 @@ class RolloutWorker:
         await self.stop()
         if self.proxy is not None:
             await self.proxy.close()
+        if isinstance(self.env, SlimeGenerateHub):
+            await self.env.close()
         await self.client.close()
         self.pool.close()
 
@@ -224,6 +230,8 @@ class RolloutWorker:
         # `admitted_ns` becomes the group's created time: claims take groups in the order they started.
         meta = {"label": rec.label, "prompt": rec.prompt, "epoch": rec.epoch, "index": rec.index, "line": rec.line,
                 "admitted_ns": admitted_ns}
+        if self._slime and isinstance(rec.record.get("metadata"), dict):  # slime Samples' `metadata` (its default key)
+            meta["metadata"] = rec.record["metadata"]
         if self.env is not None:
             task = {"prompt": rec.prompt, "label": rec.label, "id": rec.prompt_id, "record": rec.record}
             self._track(gid, self._run_env_group(gid, rec.prompt_id, meta, task))
@@ -253,6 +261,8 @@ class RolloutWorker:
         if self.env is not None:
             self.proxy = OpenAIProxy()
             await self.proxy.start()
+            if isinstance(self.env, SlimeGenerateHub):
+                await self.env.start()
         known = self.pool.producer_groups(self.producer_id)
         self._known = set(known)
         self.started = sum(1 for st, _ in known.values() if st not in (None, "partial", "dropped", "failed"))
@@ -285,6 +295,8 @@ class RolloutWorker:
                                  max_new_tokens=self.r.rollout.max_new_tokens, max_context=self.max_context,
                                  policy=self.policy, retries=partial.ENGINE_RETRIES) for _ in range(self.r.rollout.n_samples)]
             prompt, samples = await agent.play_group(self.env, self.proxy, eps, task, self.rewards, meta)
+            if isinstance(self.env, SlimeGenerateHub):
+                self.env.amend(eps, samples)
             for ep in eps:
                 self.stats["gen_tokens"] += ep.stats["gen_tokens"]
                 self.stats["interrupted_calls"] += ep.stats["interruptions"]
@@ -317,8 +329,9 @@ class RolloutWorker:
         self._last_failure = f"{type(e).__name__}: {e}"
 
     def _check_failing(self) -> None:
-        """Every sample of many groups in a row failed (engines unreachable, a reward function that
-        always raises): stop instead of replacing them forever."""
+        """Every sample of many groups in a row failed, or a filter raised on each of them (engines
+        unreachable, a reward, environment or filter function that always raises): stop instead of
+        replacing them forever."""
         limit = max(8, 2 * self.r.rollout.groups_per_step)
         if self._failed_in_a_row >= limit:
             raise RuntimeError(f"{self.producer_id}: the last {self._failed_in_a_row} groups all failed; the last "
@@ -382,10 +395,11 @@ class RolloutWorker:
     async def _finish(self, gid: str, prompt_id: str, meta: dict[str, Any],
                       trajs: list[partial.Trajectory]) -> SampleGroup:
         texts = [decode_response(self.tokenizer, t.tokens) for t in trajs]
-        scored = await self.rewards.score(meta.get("prompt"), meta.get("label"), texts, meta)
+        stored = [partial.to_sample(t, i) for i, t in enumerate(trajs)]
+        scored = await self.rewards.score(meta.get("prompt"), meta.get("label"), texts, meta, samples=stored,
+                                          prompt_tokens=trajs[0].prompt)
         samples = []
-        for i, (t, sc) in enumerate(zip(trajs, scored)):
-            s = partial.to_sample(t, i)
+        for t, s, sc in zip(trajs, stored, scored):
             gen_error = t.error
             s.reward, s.rewards = (None, {}) if gen_error else (sc.reward, dict(sc.components))
             s.error = gen_error or sc.error
@@ -401,10 +415,25 @@ class RolloutWorker:
                             producer_id=self.producer_id, metadata=meta, created_at=meta.get("admitted_ns", 0))
         if all(s.failed for s in samples):
             group.status, group.drop_reason = "failed", samples[0].error
-        elif (reason := self.filters.check(group)) is not None:
-            group.status, group.drop_reason = "dropped", reason
-            self.drops[reason] += 1
+        else:
+            reason, error = self.filters.check_error(group)
+            if reason is not None:
+                group.status, group.drop_reason = "dropped", reason
+                self.drops[reason] += 1
+            if error is not None:  # a filter that raises on every group must stop the run, not drop them all
+                self._failed_in_a_row += 1
+                self._last_failure = error
         return group
+
+
+def env_hub(recipe: Recipe, router_url: str | None = None, tokenizer: Any = None, evaluation: bool = False) -> Any:
+    """The recipe's environment hub: an env function, or slime's custom generate (`style: slime`)."""
+    ref = recipe.env
+    if ref is None:
+        return None
+    if ref.style == "slime":
+        return SlimeGenerateHub(ref, slime_args(recipe, ref.args, router_url), tokenizer=tokenizer, evaluation=evaluation)
+    return agent.EnvHub(ref.fn, ref.args)
 
 
 def worker_actor(num_cpus: float = 0.5) -> Any:

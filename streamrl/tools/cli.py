@@ -30,6 +30,7 @@ from streamrl.pools.sql import QueryError
 from streamrl.producers import api_process
 from streamrl.recipe import RecipeError, dump_recipe, learner_summary, load_recipe
 from streamrl.runtime import RunFailed, RunLost
+from streamrl.tools.from_slime import from_slime
 from streamrl.tools.init import init_project
 from streamrl.tools.report import report_command
 
@@ -43,6 +44,7 @@ EPILOG = """examples:
   streamrl replay runs/quickstart --where "min_version BETWEEN 10 AND 12 AND reward_std = 0"
   streamrl report runs/quickstart                            # PNG plots + summary table
   streamrl check recipes/quickstart.yaml rollout.n_samples=4
+  streamrl recipe from-slime run-qwen3-4B.sh -o qwen3.yaml      # a recipe from a slime launch script
   streamrl model init runs/models/tiny --preset tiny
   streamrl engine serve --model runs/models/tiny --port 30001
   streamrl produce serve runs/quickstart                     # external producers submit groups over HTTP
@@ -77,6 +79,16 @@ def _parser() -> argparse.ArgumentParser:
                                    "recipe. Exit code 2 names the file, line and key of the first problem.")
     c.add_argument("recipe")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. rollout.n_samples=4 (YAML values)")
+
+    rc = sub.add_parser("recipe", help="write recipes: from-slime turns a slime launch script into one")
+    rsub = rc.add_subparsers(dest="recipe_cmd", required=True, metavar="SUBCOMMAND")
+    fs = rsub.add_parser("from-slime", help="a recipe from a slime launch script (its flag arrays) or argument list",
+                         description="Read a slime run script (the bash arrays of flags it passes to train.py, with "
+                                     "simple variables expanded) or a file holding the arguments, and write a StreamRL "
+                                     "recipe with every flag it maps. The flags it could not map are listed with the "
+                                     "reason, on stderr and as comments in the recipe (docs/slime.md).")
+    fs.add_argument("script", help="the launch script or argument file; - reads stdin")
+    fs.add_argument("-o", "--output", help="write the recipe here (default: stdout); an existing file is not overwritten")
 
     r = sub.add_parser("run", help="train: engines + router + learner + rollout workers on Ray",
                        description="Run RECIPE: start a local Ray cluster (or join ray.address), the sglang-router, "
@@ -279,6 +291,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         print("wrote " + ", ".join(str(p) for p in written))
         print(f"next: cd {args.dir} && streamrl check recipe.yaml && streamrl run recipe.yaml")
         return 0
+    if args.cmd == "recipe":
+        return _from_slime(args)
     if args.cmd == "check":
         recipe = load_recipe(args.recipe, args.overrides)
         print(dump_recipe(recipe), end="")
@@ -356,6 +370,27 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         return 0
     return _pool_cmd(args)
+
+
+def _from_slime(args: argparse.Namespace) -> int:
+    try:
+        text, conv = from_slime(args.script)
+    except OSError as e:
+        raise UsageError(f"cannot read {args.script} ({e.strerror or e})") from None
+    if not conv.mapped:
+        raise UsageError(f"{args.script}: no slime flags found (expected a script that runs train.py with --flags, "
+                         "or a list of --flags)")
+    if args.output:
+        out = Path(args.output)
+        if out.exists():
+            raise UsageError(f"{out} exists; choose another -o or remove it")
+        out.write_text(text)
+    else:
+        print(text, end="")
+    print(f"from-slime: mapped {len(conv.mapped)} flags; not mapped {len(conv.unmapped)}:", file=sys.stderr)
+    for flag, why in conv.unmapped:
+        print(f"  {flag}: {why}", file=sys.stderr)
+    return 0
 
 
 def _check_engine_host(host: str) -> None:
