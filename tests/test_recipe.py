@@ -536,3 +536,10 @@ def test_network_bind_node_refuses_an_explicit_host_too():
         parse_recipe(MINIMAL + "network: {bind: node}\nengines: {host: 10.0.0.5}\n")
     with pytest.raises(RecipeError, match=r"network\.bind: Invalid enum value 'all'"):
         parse_recipe(MINIMAL + "network: {bind: all}\n")
+
+
+def test_learner_dtype_is_fp32_or_bf16():
+    assert load_recipe(QUICKSTART).learner.dtype == "fp32"
+    assert load_recipe(QUICKSTART, ["learner.dtype=bf16"]).learner.dtype == "bf16"
+    with pytest.raises(RecipeError, match=r"learner\.dtype: Invalid enum value 'fp16'"):
+        load_recipe(QUICKSTART, ["learner.dtype=fp16"])

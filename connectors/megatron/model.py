@@ -66,7 +66,7 @@ def make_bridge(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> An
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(GPTModel with the directory's weights, bridge). Needs megatron's parallel state."""
+    """(GPTModel with the directory's weights in `dtype`, bridge). Needs megatron's parallel state."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -75,6 +75,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tup
                                        post_process=mpu.is_pipeline_last_stage())
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        if p.dtype != dtype:  # the local spec's torch norms ignore params_dtype (TE's follow it): one dtype throughout
+            p.data = p.data.to(dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     bridge.load_weights([model], str(model_dir))

@@ -144,7 +144,7 @@ class LearnerDriver(WeightSource):
         self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
                                        micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0,
                                        distributed_optimizer=lc.parallel.distributed_optimizer,
-                                       max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
+                                       max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch, dtype=lc.dtype)
         # learner.advantage / loss / off_policy: built-in names, or the user's functions imported here
         self.cfg = alg.RLConfig.from_recipe(lc, recipe.rollout.temperature,
                                             recipe.max_staleness, resolve_fn)
