@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from streamrl.connectors.megatron.batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
-from streamrl.connectors.megatron.model import hf_state_dict, load_model
+from streamrl.connectors.megatron.model import hf_state_dict, hf_weights, load_model
 from streamrl.connectors.megatron.optimizer import Optimizer
 from streamrl.connectors.megatron.parallel import Parallel, init_distributed
 from streamrl.core.algorithms import aggregation_units, offpolicy
@@ -290,9 +290,13 @@ class MegatronLearner:
         return offpolicy.metrics(total, with_ratio)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model under HF names, on every rank (collective over the model-parallel
-        group: TP shards and PP stages are gathered); tensors on the parameters' device."""
+        """A host copy of the whole model under HF names, on every rank (collective over the
+        model-parallel group: TP shards and PP stages are gathered)."""
         return hf_state_dict(self.model, self.bridge)
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The same one tensor at a time, without a copy of the model (model.hf_weights)."""
+        return hf_weights(self.model, self.bridge)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's parameters and optimizer state (what parallelism divides)."""
