@@ -2,7 +2,8 @@
 
 Runs as one rank of the learner group in a run (streamrl/runtime/learner_group.py: tp * pp * dp
 Ray actors). Rank 0 owns the pool's claim side and sends or writes the published weights, which
-every rank gathers with it when they are published (WeightSource); every rank trains its share. `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
+every rank gathers with it when they are published (WeightSource); every rank trains its share.
+`train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
 bound and consumption policy, turns them into learner rows (advantages over the samples that were
 scored, failed samples left out: streamrl/core/algorithms/step.py, `learner.advantage`), trains
 on them (`learner.mini_batches` x `learner.epochs` optimizer steps, the off-policy correction
