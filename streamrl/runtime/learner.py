@@ -313,7 +313,9 @@ class LearnerDriver(WeightSource):
         return self.learner.hf_weights()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.hf_weights())
+        """All of them in host memory (the HF export): each to the host as it is gathered, not a
+        second model on the GPU (on CPU: the parameters themselves where tp = 1, read under the lock)."""
+        return {name: t.to("cpu") for name, t in self.hf_weights()}
 
     def export(self, out_dir: str, version: int | None = None) -> str:
         """`WeightSource.export`; `version`: the one the caller means (a background evaluation's),
