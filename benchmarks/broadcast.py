@@ -180,7 +180,8 @@ class Bench:
         model_dir = init_model_dir(self.work / preset / "model", preset, seed=0)
         tok = build_tokenizer()
         models = [build_model(tok, preset, seed).to(self.args.device) for seed in (0, 1)]
-        # As the learner holds its snapshot: a copy laid out for the broadcast (weight_sync.pack).
+        # Laid out for the broadcast (weight_sync.pack), so a push sends without copying: the transfer
+        # alone (the learner itself now gathers and copies each bucket as it pushes, streamrl/runtime/learner.py).
         states = [pack({k: v for k, v in m.state_dict().items() if k != "lm_head.weight"}) for m in models]
         model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
         n_max = max(self.args.engines)

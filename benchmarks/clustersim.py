@@ -448,15 +448,9 @@ class Run:
 
 def stream(cl: Run, steps: int) -> Generator[Any, Any, None]:
     cl.start_streaming()
-    publishing = None
     for step in range(steps):
-        training = cl.sim.spawn(cl.train_step(step))
-        if publishing is not None:
-            yield publishing
-        m = yield training
-        publishing = cl.sim.spawn(cl.publish(step, m, interrupt=True))
-    if publishing is not None:
-        yield publishing
+        m = yield cl.sim.spawn(cl.train_step(step))
+        yield cl.sim.spawn(cl.publish(step, m, interrupt=True))  # the learner's next step waits for the push
 
 
 def lockstep(cl: Run, steps: int) -> Generator[Any, Any, None]:

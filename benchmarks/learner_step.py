@@ -102,6 +102,22 @@ run of tp*pp*dp processes per layout and preset (benchmarks/learner_parallel.py)
                          replicated, so it does not fall with dp)
       state_bytes_by_rank, first_step (loss, grad_norm, entropy of the first warm-up step:
                          the same in every layout)
+      publish_s_median   rank 0's time to gather the weights after a step (--snapshot: and pack them)
+      dtype, snapshot    --dtype, --snapshot
+      parameters         the whole model's
+      peak_rss_bytes_by_rank  each rank's resident-set high-water mark over the timed steps and their
+                         publishes (VmHWM, reset after warm-up: peak_reset says it was)
+      baseline_rss_bytes_by_rank  each rank's RSS before its model was built (imports, process group)
+      learner_rss_bytes_per_rank_max  max over ranks of peak - baseline: what scales with the model
+      learner_rss_bytes_per_param  that / parameters (at a few million parameters the runtime's own
+                         memory and this batch's activations dominate it: it does not extrapolate)
+      state_bytes_per_param  parameters + fp32 main copies + Adam state per parameter on the fullest
+                         rank (fp32 12, bf16 14 in one process)
+      grad_bytes_per_param   the fp32 gradient buffer (4 in one process, either dtype)
+      snapshot_bytes(_per_param)  the copy --snapshot keeps on rank 0 (0 without it; 4 fp32, 2 bf16)
+      accounted_bytes_per_param  state + gradients + snapshot on the fullest rank
+      extrapolated_7b    accounted_gb_per_rank and snapshot_gb at 7.6e9 parameters, same layout
+                         (activations, the runtime and the transient gather buffers come on top)
   parallel.<preset>.bytes_vs_one_process  state_bytes_per_rank_max / that of layout "1"
 """
 
@@ -189,7 +205,7 @@ def bench_preset(preset: str, args: argparse.Namespace, work: Path) -> tuple[dic
     log(f"{preset}: building the model in {work / preset}")
     model_dir = init_model_dir(work / preset, preset=preset)
     mg = MegatronLearner(model_dir, lr=args.lr, grad_clip=1.0, micro_batch_size=args.micro_batch_size,
-                         max_tokens_per_micro_batch=args.max_tokens)
+                         max_tokens_per_micro_batch=args.max_tokens, dtype=args.dtype)
     hf = TransformersLearner(model_dir, lr=args.lr, grad_clip=1.0, micro_batch_size=args.micro_batch_size,
                              max_tokens=args.max_tokens,
                              attention=args.hf_attention)
@@ -280,6 +296,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--parallel", nargs="+", type=parse_layout, metavar="LAYOUT",
                     help="measure the megatron learner in these layouts instead of the transformers comparison: "
                     "1 (one process), tp=2, pp=2, dp=2 or combined (tp=2,pp=2); see the figures below")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="the megatron learner's precision (recipe learner.dtype; bf16: mixed precision with fp32 "
+                    "main params); the transformers side stays fp32 (default fp32)")
+    ap.add_argument("--snapshot", action="store_true",
+                    help="--parallel: after each step keep a packed host copy of the whole model on rank 0, as the "
+                    "learner did before it published by gathering (for the memory comparison)")
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = ap.parse_args()
     args.warmup = max(1, args.warmup if args.warmup is not None else (2 if args.quick else 3))
@@ -327,7 +349,7 @@ def main() -> None:
                    "warmup": args.warmup, "steps": args.steps, "micro_batch_size": args.micro_batch_size,
                    "max_tokens": args.max_tokens, "longtail": args.longtail,
                    "group_size": args.group_size, "lr": args.lr, "loss_agg": "token", "advantages": "grpo",
-                   "dtype": "float32", "transformers_attention": args.hf_attention},
+                   "dtype": args.dtype, "snapshot": args.snapshot, "transformers_attention": args.hf_attention},
         "git": git_rev(),
         "machine": machine(load0, ("torch", "transformers", "megatron-core", "mbridge")),
         "wall_s": round(time.perf_counter() - wall0, 1),

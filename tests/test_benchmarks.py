@@ -153,6 +153,11 @@ def tiny_quickstart(root: Path) -> list[str]:
 def _learner_parallel(d: dict[str, Any]) -> None:
     one = d["parallel"]["tiny"]["1"]
     assert one["world_size"] == 1 and one["state_bytes_per_rank_max"] > 0 and len(one["step_s_by_round"]) == 1
+    # host memory: the rank's peak over a step and its publish, against the model-free baseline
+    assert one["dtype"] == "fp32" and not one["snapshot"] and one["snapshot_bytes"] == 0, one
+    assert one["peak_rss_bytes_by_rank"][0] > one["baseline_rss_bytes_by_rank"][0] > 0, one
+    assert one["state_bytes_per_param"] == 12.0 and one["accounted_bytes_per_param"] >= 16.0, one
+    assert one["extrapolated_7b"]["accounted_gb_per_rank"] > 100, one
 
 
 TINY_BATCH = ("--presets", "tiny", "--warmup", "1", "--steps", "1", "--samples", "4", "--group-size", "2",

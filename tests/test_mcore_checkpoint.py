@@ -115,8 +115,11 @@ CRASH = """
             steps = {float(s["step"]) for s in self.inner.state.values()}
             return steps.pop() if steps else None
 
+        def state_keys(self):
+            return ["exp_avg", "exp_avg_sq"]
+
         def param_states(self):
-            return {p: {k: self.inner.state[p][k] for k in ("exp_avg", "exp_avg_sq")} for p in self.inner.state}
+            return {p: {k: self.inner.state[p][k] for k in self.state_keys()} for p in self.inner.state}
 
         def load_param_states(self, states, step):
             self.inner.state.clear()

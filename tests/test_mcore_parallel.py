@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import sys, json, random
     rank, world, tp, pp, port, fd = map(int, sys.argv[1:7])
-    model_dir, out, distopt = sys.argv[7], sys.argv[8], sys.argv[9] == "1"
+    model_dir, out, distopt, dtype = sys.argv[7], sys.argv[8], sys.argv[9] == "1", sys.argv[10]
     from safetensors.torch import save_file
     from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, Sample, init_distributed
     init_distributed(rank, world, tp=tp, pp=pp, seed=0, port=port, listen_fd=fd if rank == 0 else None)
@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
         # by up to ~1% of lr; a larger eps damps steps of tiny gradients and keeps the comparison
         # of published weights about the layout, not about rounding.
         learner = MegatronLearner(model_dir, lr=1e-2, micro_batch_size=4, with_reference=True, adam_eps=1e-4,
-                                  distributed_optimizer=distopt)
+                                  distributed_optimizer=distopt, dtype=dtype)
         assert (learner.tp, learner.pp, learner.dp) == (tp, pp, world // (tp * pp))
         steps = [learner.rl_step(samples, RLConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg))
                  for _ in range(3)]
@@ -48,6 +48,7 @@ SCRIPT = textwrap.dedent("""
         result[agg] = [{k: s[k] for k in ("loss", "grad_norm", "kl", "entropy", "clip_frac", "ratio_max")}
                        for s in steps]
         result["bytes"] = learner.state_bytes()  # this rank's parameters + optimizer state
+        result["main_dtypes"] = sorted({str(p.dtype) for p in learner.opt.main_params()})
     print("RESULT " + json.dumps(result))
     import torch.distributed as dist
     dist.barrier()  # leave together: rank 0 serves the store, and exiting with gloo's threads alive can abort
@@ -55,14 +56,15 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(world: int, tp: int, pp: int, model: Path, out: Path, distopt: bool = True) -> list[subprocess.Popen[str]]:
+def _launch(world: int, tp: int, pp: int, model: Path, out: Path, distopt: bool = True,
+            dtype: str = "fp32") -> list[subprocess.Popen[str]]:
     from streamrl.connectors.ports import listen_socket, port_of
 
     out.mkdir(parents=True)
     with listen_socket() as sock:  # rank 0 serves the store on it (no port to race for)
         fd = sock.fileno()
         return [subprocess.Popen([sys.executable, "-c", SCRIPT, str(r), str(world), str(tp), str(pp),
-                                  str(port_of(sock)), str(fd), str(model), str(out), str(int(distopt))],
+                                  str(port_of(sock)), str(fd), str(model), str(out), str(int(distopt)), dtype],
                                  pass_fds=(fd,) if r == 0 else (),
                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for r in range(world)]
@@ -117,6 +119,41 @@ def test_tp2_pp2_dp2_match_one_process(tmp_path: Path) -> None:
             assert most == ref["bytes"]
         else:
             assert most < 0.75 * ref["bytes"]
+
+
+@pytest.mark.slow
+def test_tp2_dp2_matches_one_process(tmp_path: Path) -> None:
+    """Four ranks (tensor parallel 2 x data parallel 2, the distributed optimizer, gloo): the same
+    losses, gradient norms and published weights (gathered from the four ranks' shards) as one
+    process over 3 RL steps; and in bf16, the mixed-precision distributed optimizer keeps fp32
+    main shards and stays within bf16 rounding of one bf16 process."""
+    from streamrl.connectors.megatron.model_kit import init_model_dir
+
+    model = init_model_dir(tmp_path / "tiny", "tiny")
+    (ref,) = _results(_launch(1, 1, 1, model, tmp_path / "single"))
+    ranks = _results(_launch(4, 2, 1, model, tmp_path / "tp2dp2"))
+    initial = _initial(model)
+    for agg in ("token", "group"):
+        assert all(r[agg] == ranks[0][agg] for r in ranks), "ranks report different metrics"
+        for a, b in zip(ref[agg], ranks[0][agg]):
+            for k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (agg, k, ref[agg], ranks[0][agg])
+        w_ref, w_got = _weights(tmp_path / "single", agg), _weights(tmp_path / "tp2dp2", agg)
+        assert sorted(w_ref) == sorted(w_got)
+        diff = max(float((w_ref[k] - w_got[k]).abs().max()) for k in w_ref)
+        moved = max(float((w_ref[k] - initial[k]).abs().max()) for k in w_ref)
+        print(f"tp2 x dp2 {agg}: published weights max |diff| {diff:.2e} (moved {moved:.2e} from the start)")
+        assert diff <= 1e-5 and moved > 1e-3
+    assert max(r["bytes"] for r in ranks) < 0.5 * ref["bytes"]  # TP halves it all, DP halves Adam's moments too
+
+    (ref16,) = _results(_launch(1, 1, 1, model, tmp_path / "single16", dtype="bf16"))
+    ranks16 = _results(_launch(4, 2, 1, model, tmp_path / "tp2dp2-16", dtype="bf16"))
+    assert all(r["main_dtypes"] == ["torch.float32"] for r in [ref16, *ranks16])
+    for agg in ("token", "group"):
+        w = _weights(tmp_path / "tp2dp2-16", agg)
+        assert {str(t.dtype) for t in w.values()} == {"torch.bfloat16"}
+        for a, b in zip(ref16[agg], ranks16[0][agg]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=0.02, abs=2e-3), (agg, ref16[agg], ranks16[0][agg])
 
 
 def _initial(model: Path) -> dict:

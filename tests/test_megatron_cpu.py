@@ -38,6 +38,7 @@ def test_pinned_megatron_version() -> None:
     ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "device='cuda'"),
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", "'torch.cuda.FloatTensor'"),
     ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__", "device='cuda'"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__", "'torch.cuda.BFloat16Tensor'"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
      "'torch.cuda.FloatTensor'"),
     ("megatron.core.utils", "local_multi_tensor_l2_norm", 'device="cuda"'),

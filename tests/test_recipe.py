@@ -557,3 +557,10 @@ def test_engines_python_must_be_an_executable_for_sglang(tmp_path: Path) -> None
     exe.chmod(0o755)
     with pytest.raises(RecipeError, match=r"engines\.python: .* engines\.backend is embedded"):
         parse_recipe(MINIMAL + f"engines:\n  python: {exe}\n", "x.yaml")
+
+
+def test_learner_dtype_is_fp32_or_bf16():
+    assert load_recipe(QUICKSTART).learner.dtype == "fp32"
+    assert load_recipe(QUICKSTART, ["learner.dtype=bf16"]).learner.dtype == "bf16"
+    with pytest.raises(RecipeError, match=r"learner\.dtype: Invalid enum value 'fp16'"):
+        load_recipe(QUICKSTART, ["learner.dtype=fp16"])

@@ -11,6 +11,7 @@ import torch
 from streamrl.connectors.sglang.weight_sync import (
     BUCKET_FORMAT,
     broadcast,
+    buckets,
     create_group,
     dtype_name,
     flatten,
@@ -76,6 +77,21 @@ def test_plan_buckets_caps_size_and_keeps_alignment():
     assert plan_buckets([], []) == []
 
 
+def test_streamed_buckets_are_the_planned_ones():
+    """The learner cuts buckets as its gathered tensors come (`buckets`); the engines were told
+    `plan_buckets`' cut: they must agree, for any sizes and dtype mix."""
+    g = torch.Generator().manual_seed(0)
+    dts = [torch.float32, torch.bfloat16, torch.int64]
+    tensors = [torch.zeros(int(torch.randint(1, 9, (1,), generator=g)), dtype=dts[int(torch.randint(0, 3, (1,),
+                                                                                                     generator=g))])
+               for _ in range(40)]
+    meta = [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]
+    for cap in (1, 12, 40, 10**9):
+        streamed = [len(b) for b in buckets(iter(tensors), cap)]
+        assert streamed == [len(r) for r in plan_buckets(*meta, max_bytes=cap)], cap
+    assert list(buckets(iter([]))) == []
+
+
 def test_pack_splits_misaligned_tensors_into_buckets():
     state = {"odd": torch.ones(3, dtype=torch.bfloat16), "f": torch.full((2,), 2.0)}
     packed = pack(state)
@@ -109,7 +125,8 @@ def test_bucketed_broadcast_into_a_reused_buffer():
         for seed in (1, 2):
             state = {k: v * seed for k, v in _state().items()}
             names, dtypes, shapes = _meta(state)
-            fb = ex.submit(broadcast, g0, list(pack(state).values()), True)
+            sent = list(pack(state).values()) if seed == 1 else iter(state.values())  # a list, or one by one
+            fb = ex.submit(broadcast, g0, sent, True)
             got = ex.submit(receive, g1, names, dtypes, shapes, BUCKET_FORMAT, buf).result(30)
             fb.result(30)
             assert all(torch.equal(got[k], state[k]) for k in names)

@@ -28,6 +28,10 @@ optimizer included; connectors/megatron/optimizer.py) add:
 - the optimizers accept only tensors whose `.type()` is `torch.cuda.FloatTensor` & co
   (`DistributedOptimizer._build_model_and_main_param_groups`, `clip_grad_by_total_norm_fp32`):
   inside those two calls a CPU tensor's `.type()` answers with the CUDA name.
+The bf16 learner (learner.dtype bf16: megatron's mixed precision) adds:
+- `Float16OptimizerWithFloat16Params.__init__` sorts parameters into bf16 ones (which get fp32
+  main copies) and fp32 ones by `.type()` against the CUDA names, and refuses anything else: the
+  same `.type()` answer inside that call (its `found_inf` flag is made by `optimizer.torch`, above).
 """
 
 from __future__ import annotations
@@ -150,6 +154,9 @@ def _patch_ddp_and_optimizer(cpu_torch: types.ModuleType) -> None:
     build = distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups
     distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups = classmethod(  # type: ignore[method-assign]
         _cuda_is_cpu(build.__func__))
+    # The mixed-precision optimizer (bf16 model, fp32 main params) checks each parameter's .type().
+    f16 = optimizer.Float16OptimizerWithFloat16Params
+    f16.__init__ = _cuda_is_cpu(f16.__init__)  # type: ignore[method-assign]
     clip = _cuda_is_cpu(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip
     optimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there

@@ -15,6 +15,10 @@ groups with at least one token in the loss), so an optimizer step equals one pas
 whole mini-batch, however it was cut. A step whose loss or gradient norm is not finite is skipped (weights,
 optimizer and LR schedule untouched) and counted.
 
+Precision (`dtype`, recipe learner.dtype): fp32, or bf16 parameters and activations with fp32 main
+parameters in the optimizer. Either way log-probs, ratios and losses are computed in fp32: the
+logits are upcast before the softmax (mcore_batch.logprobs_and_entropy).
+
 Parallelism (connectors/megatron/parallel.py): tensor, pipeline and data parallel ranks. Every
 forward and backward goes through megatron's `get_forward_backward_func` schedule (1F1B when
 pp > 1); the last pipeline stage computes log-probs and losses and hands the proximal
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,15 +42,16 @@ from typing import Any
 import torch
 
 from streamrl.connectors.megatron.batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
-from streamrl.connectors.megatron.model import hf_state_dict, load_model
+from streamrl.connectors.megatron.model import hf_state_dict, hf_weights, load_model
 from streamrl.connectors.megatron.optimizer import Optimizer
 from streamrl.connectors.megatron.parallel import Parallel, init_distributed
 from streamrl.core.algorithms import aggregation_units, offpolicy
 from streamrl.core.algorithms.objective import LossInputs, RLConfig
 from streamrl.core.algorithms.step import loss_inputs, micro_batch_loss
 
-__all__ = ["MegatronLearner", "RLConfig", "Sample", "init_distributed", "init_single_process"]
+__all__ = ["DTYPES", "MegatronLearner", "RLConfig", "Sample", "init_distributed", "init_single_process"]
 log = logging.getLogger(__name__)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # recipe learner.dtype
 
 
 def init_single_process(seed: int = 0) -> None:
@@ -70,9 +75,10 @@ class MegatronLearner:
     def __init__(self, model_dir: str | Path, lr: float = 1e-4, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False,
                  distributed_optimizer: bool = True, adam_eps: float = 1e-8,
-                 max_tokens_per_micro_batch: int | None = None) -> None:
-        self.model, self.bridge = load_model(model_dir)  # with pp > 1: this stage's chunk
-        self.ref = load_model(model_dir)[0].eval() if with_reference else None
+                 max_tokens_per_micro_batch: int | None = None, dtype: str = "fp32") -> None:
+        self.dtype = DTYPES[dtype]  # bf16: mixed precision (fp32 main params and gradients: optimizer.py)
+        self.model, self.bridge = load_model(model_dir, self.dtype)  # with pp > 1: this stage's chunk
+        self.ref = load_model(model_dir, self.dtype)[0].eval() if with_reference else None
         if self.ref is not None:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
@@ -284,9 +290,13 @@ class MegatronLearner:
         return offpolicy.metrics(total, with_ratio)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model under HF names, on every rank (collective over the model-parallel
-        group: TP shards and PP stages are gathered); tensors on the parameters' device."""
+        """A host copy of the whole model under HF names, on every rank (collective over the
+        model-parallel group: TP shards and PP stages are gathered)."""
         return hf_state_dict(self.model, self.bridge)
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The same one tensor at a time, without a copy of the model (model.hf_weights)."""
+        return hf_weights(self.model, self.bridge)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's parameters and optimizer state (what parallelism divides)."""

@@ -9,6 +9,7 @@ built with the bridge's own provider rather than `bridge.get_model`, which moves
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ def make_bridge(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> An
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(GPTModel with the directory's weights, bridge). Needs megatron's parallel state."""
+    """(GPTModel with the directory's weights in `dtype`, bridge). Needs megatron's parallel state."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -75,21 +76,33 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> tup
                                        post_process=mpu.is_pipeline_last_stage())
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        if p.dtype != dtype:  # the local spec's torch norms ignore params_dtype (TE's follow it): one dtype throughout
+            p.data = p.data.to(dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     bridge.load_weights([model], str(model_dir))
     return model, bridge
 
 
+def hf_weights(model: Any, bridge: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's weights under HF names, one tensor at a time, on every rank: mbridge's
+    export gathers TP shards and broadcasts each PP stage's tensors to the other stages, so every
+    rank of the model-parallel group must take every item. A tensor is on the model's device in
+    the model's dtype and may be the parameter itself (tp = 1): use it before the weights change.
+    With tied embeddings and pp > 1 the last stage's copy of the embedding comes under the same HF
+    name as the first stage's (equal values: their gradients are summed). Without grad: mbridge
+    broadcasts the parameters themselves, an in-place op autograd refuses on a leaf that requires
+    grad whenever the backend copies (gloo with CUDA tensors); no_grad around each step only, as
+    the caller's code runs between them."""
+    items = bridge.export_weights([model])
+    while True:
+        with torch.no_grad():
+            item = next(items, None)
+        if item is None:
+            return
+        yield item[0], item[1].detach()
+
+
 def hf_state_dict(model: Any, bridge: Any) -> dict[str, torch.Tensor]:
-    """The whole model's weights under HF names, on every rank: mbridge's export gathers TP
-    shards and broadcasts each PP stage's tensors to the other stages, so every rank of the
-    model-parallel group must call it. Each tensor goes to host memory as it comes: a second whole
-    copy of the model on the GPU would not fit beside a large one (the NCCL weight push moves
-    buckets to the GPU as it sends them, connectors/sglang/weight_sync.py). With tied embeddings and
-    pp > 1 the last stage's copy of the embedding comes under the same HF name as the first
-    stage's (equal values: their gradients are summed). Without grad: mbridge broadcasts the
-    parameters themselves, an in-place op autograd refuses on a leaf that requires grad
-    whenever the backend copies (gloo with CUDA tensors)."""
-    with torch.no_grad():
-        return {name: t.detach().cpu() for name, t in bridge.export_weights([model])}
+    """`hf_weights` as a dict in host memory (a whole copy: tests, the HF export)."""
+    return {name: t.to("cpu", copy=True) for name, t in hf_weights(model, bridge)}

@@ -1,7 +1,12 @@
 """The learner's optimizer: megatron's DistributedDataParallel around the model and megatron's
-optimizer (`get_megatron_optimizer`: Adam, fp32), with the distributed optimizer (ZeRO-1: each
+optimizer (`get_megatron_optimizer`: Adam), with the distributed optimizer (ZeRO-1: each
 data-parallel rank keeps and updates only its slice of Adam's moments, gradients are
 reduce-scattered and parameters all-gathered) when there is more than one DP rank.
+
+A bf16 model (learner.dtype bf16) trains in megatron's mixed precision: the optimizer keeps fp32
+main copies of the bf16 parameters (`Float16OptimizerWithFloat16Params`, or the distributed
+optimizer's fp32 shards), Adam updates those and copies them back to the model; gradients are
+accumulated and reduced in fp32 (`grad_reduce_in_fp32`). Without loss scaling: bf16 has fp32's range.
 
 - Losses come pre-weighted by their share of the whole step over all ranks, so DDP sums
   gradients over DP instead of averaging them (`calculate_per_token_loss`, set on the model
@@ -16,6 +21,8 @@ reduce-scattered and parameters all-gathered) when there is more than one DP ran
   own (tensor-parallel shard) shape whatever the data-parallel layout, so a checkpoint written
   with one layout loads with another (connectors/megatron/checkpoint.py). With the distributed
   optimizer each rank contributes its slice and the slices are summed over DP (collective).
+  In mixed precision they carry the fp32 main parameter too (`main_param`): the bf16 model
+  weights alone would round away what Adam's small steps accumulated.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+MAIN = "main_param"  # mixed precision: the fp32 copy of a bf16 parameter, kept with the moments
 
 
 class Optimizer:
@@ -43,7 +51,8 @@ class Optimizer:
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed), model)
         self.opt = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=0.9, adam_beta2=0.999, adam_eps=adam_eps,
-            clip_grad=grad_clip, use_distributed_optimizer=self.distributed, bf16=False, fp16=False), [self.ddp])
+            clip_grad=grad_clip, use_distributed_optimizer=self.distributed, bf16=model.config.bf16, fp16=False),
+            [self.ddp])
         self.parts = list(getattr(self.opt, "chained_optimizers", [self.opt]))
         self.grad_clip, self.base_lr, self.warmup_steps = grad_clip, lr, warmup_steps
         self.last_epoch = 0
@@ -115,7 +124,7 @@ class Optimizer:
         flattened elements it covers; None = all of p)."""
         part = self._owner[p]
         if not self.distributed:
-            return p, None
+            return getattr(p, "main_param", p), None  # bf16: Adam's state is keyed by the fp32 main copy
         if p not in part.model_param_group_index_map:  # no element of p on this DP rank
             return None, None
         gi, go = part.model_param_group_index_map[p]
@@ -133,36 +142,46 @@ class Optimizer:
         with the distributed optimizer); empty before the first step."""
         if self.step_count() is None:
             return {}
+        keys = self.state_keys()
         out = {}
         for p in self.params:
             slot, sl = self._slot(p)
             state = self._owner[p].optimizer.state.get(slot, {}) if slot is not None else {}
+            if slot is not None:
+                state = {**state, MAIN: slot.detach()}
             if sl is None and slot is not None:
-                out[p] = {k: state[k].detach().clone() for k in STATE_KEYS}
+                out[p] = {k: state[k].detach().clone() for k in keys}
                 continue
-            flat = torch.zeros(len(STATE_KEYS), p.numel(), dtype=torch.float32, device=p.device)
-            for i, k in enumerate(STATE_KEYS):
+            flat = torch.zeros(len(keys), p.numel(), dtype=torch.float32, device=p.device)
+            for i, k in enumerate(keys):
                 if k in state:
                     flat[i, sl] = state[k]
             dist.all_reduce(flat, group=self.dp_group)  # the slices are disjoint: a sum assembles them
-            out[p] = {k: flat[i].view_as(p) for i, k in enumerate(STATE_KEYS)}
+            out[p] = {k: flat[i].view(p.shape) for i, k in enumerate(keys)}
         return out
+
+    def state_keys(self) -> list[str]:
+        """What `param_states` holds per parameter."""
+        return [*STATE_KEYS, MAIN] if self.model.config.bf16 else list(STATE_KEYS)
 
     def load_param_states(self, states: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: float | None) -> None:
         """Replace Adam's state with `states` (each parameter's whole tensors; this rank keeps
         its slice) at Adam step `step`; None = no state (a checkpoint from before any step)."""
         for part in self.parts:
             part.optimizer.state.clear()
+        self.reload_main_params()  # from the weights just loaded, unless `states` has the fp32 ones
         if step is None:
             return
         for p in self.params:
             slot, sl = self._slot(p)
             if slot is None:
                 continue
-            s = states[p]
+            s = {k: (v.reshape(-1)[sl] if sl is not None else v).to(slot) for k, v in states[p].items()}
             self._owner[p].optimizer.state[slot] = {
-                "step": torch.tensor(float(step), dtype=torch.float32),
-                **{k: (s[k].reshape(-1)[sl] if sl is not None else s[k]).to(slot).clone() for k in STATE_KEYS}}
+                "step": torch.tensor(float(step), dtype=torch.float32), **{k: s[k].clone() for k in STATE_KEYS}}
+            if MAIN in s:  # saved in mixed precision: more exact than the bf16 weights (into fp32 ones too)
+                with torch.no_grad():
+                    slot.copy_(s[MAIN].view_as(slot))
 
     def step_count(self) -> float | None:
         """Adam's step (bias correction), common to all parameters; None before the first step.
@@ -174,10 +193,24 @@ class Optimizer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
         return None if float(t) < 0 else float(t)
 
+    def main_params(self) -> list[torch.Tensor]:
+        """The fp32 copies Adam updates in mixed precision (all of them or this DP rank's shards);
+        empty when the model itself is fp32."""
+        if not self.model.config.bf16:
+            return []
+        return [p for part in self.parts for g in part.optimizer.param_groups for p in g["params"]]
+
+    def reload_main_params(self) -> None:
+        """After the model's weights were replaced (a checkpoint loaded): the fp32 main copies from them."""
+        if self.model.config.bf16:
+            for part in self.parts:
+                part.reload_model_params()
+
     def state_bytes(self) -> int:
-        """Bytes of this rank's parameters and optimizer state (what parallelism divides)."""
-        tensors = [*self.params, *(t for part in self.parts for s in part.optimizer.state.values()
-                                   for k, t in s.items() if torch.is_tensor(t) and k != "step")]
+        """Bytes of this rank's parameters, fp32 main copies and optimizer state (what parallelism divides)."""
+        tensors = [*self.params, *self.main_params(),
+                   *(t for part in self.parts for s in part.optimizer.state.values()
+                     for k, t in s.items() if torch.is_tensor(t) and k != "step")]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -186,4 +219,6 @@ def _model_params(part: Any) -> list[torch.nn.Parameter]:
     optimizer holds slices of them instead)."""
     if hasattr(part, "model_param_group_index_map"):
         return [p for chunk in part.model_chunks for p in chunk.parameters() if p.requires_grad]
+    if hasattr(part, "float16_groups"):  # mixed precision: the inner optimizer holds fp32 main copies
+        return [p for groups in (part.float16_groups, part.fp32_from_fp32_groups) for g in groups for p in g]
     return [p for g in part.optimizer.param_groups for p in g["params"]]

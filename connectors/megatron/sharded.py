@@ -44,8 +44,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from streamrl.connectors.megatron.optimizer import STATE_KEYS
-
 OPT_PREFIX = "optimizer.state"
 
 
@@ -112,7 +110,7 @@ def optimizer_common(opt: Any) -> dict[str, Any]:
     Collective over DP with the distributed optimizer."""
     step = opt.step_count()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"step": step, "state_keys": list(STATE_KEYS) if step is not None else [], "param_groups": groups}
+    return {"step": step, "state_keys": opt.state_keys() if step is not None else [], "param_groups": groups}
 
 
 def optimizer_sharded(opt: Any, model_sd: dict[str, Any], common: dict[str, Any],
@@ -132,7 +130,8 @@ def optimizer_sharded(opt: Any, model_sd: dict[str, Any], common: dict[str, Any]
     for i, p in enumerate(params):
         if i not in by_id:
             raise ValueError(f"optimizer parameter {i} {tuple(p.shape)} is not in the model's sharded state")
-        out[i] = {k: make_sharded_optimizer_tensor(by_id[i], torch.empty_like(p) if template else states[p][k],
+        out[i] = {k: make_sharded_optimizer_tensor(by_id[i], torch.empty_like(p, dtype=torch.float32) if template
+                                                   else states[p][k],
                                                    prefix=f"{OPT_PREFIX}.{k}")
                   for k in common["state_keys"]}
     return out

@@ -24,6 +24,7 @@ kernel chose) and tells the engines its port; neither side needs a default proce
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -98,22 +99,44 @@ def _from_rank0() -> Any:
 # ---------------------------------------------------------------- buckets
 
 
+def _starts_bucket(size: int, n: int, item: int, max_bytes: int) -> bool:
+    """Whether a tensor of `n` bytes (elements of `item` bytes) must open a new bucket after
+    `size` bytes (> 0) in the current one: too large, or it would land unaligned (SGLang's
+    receiver refuses unaligned tensors)."""
+    return size + n > max_bytes or size % item != 0
+
+
 def plan_buckets(dtypes: list[str], shapes: list[list[int]], max_bytes: int = BUCKET_BYTES) -> list[range]:
     """Split tensors (in order) into buckets of at most `max_bytes` (a larger tensor travels
-    alone). A tensor whose byte offset would not be a multiple of its element size starts a
-    new bucket: SGLang's receiver refuses unaligned tensors."""
+    alone), as `buckets` cuts them: what the engines are told to expect."""
     out: list[range] = []
     start, size = 0, 0
     for i, (dt, shape) in enumerate(zip(dtypes, shapes)):
         item = _dtype(f"tensor {i}", dt).itemsize
         n = math.prod(shape) * item
-        if i > start and (size + n > max_bytes or size % item):
+        if i > start and _starts_bucket(size, n, item, max_bytes):
             out.append(range(start, i))
             start, size = i, 0
         size += n
     if len(dtypes) > start:
         out.append(range(start, len(dtypes)))
     return out
+
+
+def buckets(tensors: Iterable[torch.Tensor], max_bytes: int = BUCKET_BYTES) -> Iterator[list[torch.Tensor]]:
+    """The tensors in `plan_buckets`' buckets, each bucket as soon as it is complete: the learner
+    gathers its weights one tensor at a time and holds one bucket of them, not the model."""
+    part: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if part and _starts_bucket(size, n, t.element_size(), max_bytes):
+            yield part
+            part, size = [], 0
+        part.append(t)
+        size += n
+    if part:
+        yield part
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -135,7 +158,8 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def pack(state: dict[str, torch.Tensor], max_bytes: int = BUCKET_BYTES) -> dict[str, torch.Tensor]:
     """A copy of `state` laid out as `broadcast` sends it (one buffer per bucket, the tensors
-    views into it), so the broadcast sends it without copying it again."""
+    views into it), so the broadcast sends it without copying it again (benchmarks: the host
+    copy the learner used to keep after every step, `learner_step.py --snapshot`)."""
     names, tensors = list(state), list(state.values())
     out: dict[str, torch.Tensor] = {}
     for b in plan_buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], max_bytes):
@@ -167,22 +191,21 @@ def unflatten(buf: torch.Tensor, names: list[str], dtypes: list[str], shapes: li
 # ---------------------------------------------------------------- transfer
 
 
-def broadcast(group: Any, tensors: list[torch.Tensor], bucketed: bool = False,
+def broadcast(group: Any, tensors: Iterable[torch.Tensor], bucketed: bool = False,
               max_bytes: int = BUCKET_BYTES) -> None:
-    """Trainer side: send the tensors to every engine, in the order of the names sent over HTTP:
-    one broadcast each (SGLang's default load_format) or, `bucketed`, one per `plan_buckets`
-    bucket (the receivers were sent load_format BUCKET_FORMAT). Sender and receivers must agree:
-    gloo aborts the process on a size mismatch. An NCCL group sends device memory only: host
-    tensors (the learner's published copy lives on the host, not beside the model on its GPU)
-    go to the GPU a bucket at a time."""
-    device = "cuda" if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else None
+    """Trainer side: send the tensors to every engine, in the order of the names sent over HTTP,
+    as they come (the learner gathers them one at a time): one broadcast each (SGLang's default
+    load_format) or, `bucketed`, one per `plan_buckets` bucket (the receivers were sent
+    load_format BUCKET_FORMAT). Sender and receivers must agree: gloo aborts the process on a
+    size mismatch. An NCCL group sends device memory, gloo host memory: a bucket moves over
+    when it is on the other side."""
+    device = "cuda" if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else "cpu"
     if not bucketed:
         for t in tensors:
-            group.broadcast([t.contiguous().to(device) if device else t.contiguous()], _from_rank0()).wait()
+            group.broadcast([t.contiguous().to(device)], _from_rank0()).wait()
         return
-    for b in plan_buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], max_bytes):
-        flat = flatten([tensors[i] for i in b])
-        group.broadcast([flat.to(device) if device else flat], _from_rank0()).wait()
+    for part in buckets(tensors, max_bytes):
+        group.broadcast([flatten(part).to(device)], _from_rank0()).wait()
 
 
 def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],

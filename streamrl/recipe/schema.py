@@ -227,6 +227,10 @@ class LearnerCfg(_Cfg):
     lr: PosFloat = 1e-5
     warmup_steps: NonNegInt = 0
     threads: PosInt = 1  # torch CPU threads of the learner process
+    # fp32, or bf16: megatron's mixed precision (bf16 weights and activations, fp32 main weights in
+    # the optimizer, gradients reduced in fp32; log-probs and the loss in fp32). Engines get the
+    # weights in this dtype
+    dtype: Literal["fp32", "bf16"] = "fp32"
     num_gpus: NonNegInt = 0  # GPUs for the whole learner (one per rank: tp * pp * dp); 0 = CPU
     cpus: list[NonNegInt] = []  # pin the learner to these cores (Linux; rank r takes cpus[r::ranks]); empty = no pinning
     micro_batch_size: PosInt = 8

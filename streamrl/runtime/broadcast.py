@@ -18,12 +18,16 @@ engines in `abort` mode (requests return what they have; the rollout worker resu
 weights made stays, and no later request reuses it: streamrl/core/prefix_cache.py), `finish_old` first
 lets the engines generate on the old weights for `finish_window_s` (requests that finish then are
 never interrupted: single-version samples, no resume and no re-prefill) and then aborts the rest as
-`abort_resume` does (the window delays only the push; in stream mode the learner trains meanwhile,
-and the tokens are tagged with the old version, so the learner's staleness rule still applies to
-them). `interrupt=False`
-(lockstep, one-step-off: nothing is in flight) updates without pausing.
+`abort_resume` does (the window delays the push, and so the learner's next step, which waits
+for it; the tokens are tagged with the old version, so the learner's staleness rule still applies
+to them). `interrupt=False` (lockstep, one-step-off: nothing is in flight) updates without pausing.
 The weight group holds rank 0 (the learner) and every TP rank of every engine
 (streamrl/core/weight_group.py: world 1 + sum of tp, engine i from its rank_offset).
+
+The learner keeps no copy of its weights for the broadcaster: `push_weights`, `export` and
+`weights_meta` gather them from the learner's ranks when called (collectives on the learner group,
+streamrl/runtime/learner.py), so a version is published before the learner trains the next one
+(streamrl/runtime/loop.py), and `export` writes whatever version the learner is at.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Learner driver: claims batches from the pool, trains the megatron learner, hands out weights.
 
 Runs as one rank of the learner group in a run (streamrl/runtime/learner_group.py: tp * pp * dp
-Ray actors). Rank 0 owns the pool's claim side and the published weights; every rank trains its
-share. `train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
+Ray actors). Rank 0 owns the pool's claim side and sends or writes the published weights, which
+every rank gathers with it when they are published (WeightSource); every rank trains its share.
+`train_step(step)` claims `groups_per_step` whole groups oldest-first under the staleness
 bound and consumption policy, turns them into learner rows (advantages over the samples that were
 scored, failed samples left out: streamrl/core/algorithms/step.py, `learner.advantage`), trains
 on them (`learner.mini_batches` x `learner.epochs` optimizer steps, the off-policy correction
@@ -18,6 +19,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -37,7 +39,6 @@ from streamrl.plugins.filters import top_by_reward_std
 from streamrl.pools import open_pool
 from streamrl.recipe import Recipe, learner_layout, resolve_fn
 from streamrl.runtime import faultpoint
-from streamrl.runtime.evaluate import eval_due
 
 
 def learner_rows(groups: list[SampleGroup], advantage: Choice) -> tuple[list[Sample], list[float]]:
@@ -76,31 +77,45 @@ def batch_metrics(batch: Batch, rewards: list[float]) -> dict[str, Any]:
 
 
 class WeightSource:
-    """The learner's side of weight sync over `hf_state_dict()`: the disk export, the weight
-    group and the broadcast. LearnerDriver is one; benchmarks/broadcast.py holds fixed weights."""
+    """The learner's side of weight sync over `hf_weights()` (its weights under HF names, one
+    tensor at a time): the disk export, the weight group and the broadcast. LearnerDriver is one:
+    there the weights are gathered from every rank's shards when they are published, so every rank
+    takes part in each call below and rank 0 (`sends`) sends or writes them. Nothing keeps a copy
+    of the model between publishes; the lock keeps a publish from interleaving with a step.
+    benchmarks/broadcast.py holds fixed weights."""
+
+    sends = True  # this rank sends or writes the weights (the other ranks of a learner only gather)
 
     def __init__(self, model_dir: str) -> None:
         self.model_dir = str(model_dir)
         self._group: Any = None
         self._store: Any = None
-        self._pinned: dict[int, dict[str, torch.Tensor]] = {}  # versions a background evaluation will export
+        self._lock = threading.Lock()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def export(self, out_dir: str, version: int | None = None) -> str:
-        """HF safetensors of the newest weights (disk weight sync, restarted engines, the final model),
-        or of the pinned `version` (background evaluation: later steps may have trained meanwhile)."""
-        if version is None:
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.hf_state_dict().items()
+
+    def _gather_only(self, weights: Iterator[Any]) -> None:
+        """Take the rest of a collective gather, so the other ranks finish it too."""
+        for _ in weights:
+            pass
+
+    def export(self, out_dir: str) -> str:
+        """HF safetensors of the weights as they are now (disk weight sync, restarted engines,
+        the final model, a background evaluation's version)."""
+        with self._lock:
+            if not self.sends:
+                self._gather_only(self.hf_weights())
+                return str(out_dir)
             return str(megatron_checkpoint.export_hf(self, self.model_dir, out_dir))
-        if version not in self._pinned:
-            raise KeyError(f"version {version} was not kept for export (kept: {sorted(self._pinned)})")
-        return str(megatron_checkpoint.export_hf(_Weights(self._pinned.pop(version)), self.model_dir, out_dir))
 
     def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
-        state = self.hf_state_dict()
-        dtypes = [weight_sync.dtype_name(t.dtype) for t in state.values()]
-        return list(state), dtypes, [list(t.shape) for t in state.values()]
+        with self._lock:
+            meta = [(name, weight_sync.dtype_name(t.dtype), list(t.shape)) for name, t in self.hf_weights()]
+        return [m[0] for m in meta], [m[1] for m in meta], [m[2] for m in meta]
 
     def open_weight_store(self, host: str, world_size: int) -> tuple[str, int]:
         """First half of forming the weight group: its store, served here on `host` (ports.NODE:
@@ -119,9 +134,16 @@ class WeightSource:
 
     def push_weights(self, bucketed: bool = False) -> None:
         """Broadcast the weights to the engines (rank 0 of the weight group), in buckets or
-        (`bucketed=False`) one tensor at a time: as the engines were told (weight_sync)."""
-        assert self._group is not None, "init_weight_group first"
-        weight_sync.broadcast(self._group, list(self.hf_state_dict().values()), bucketed=bucketed)
+        (`bucketed=False`) one tensor at a time: as the engines were told (weight_sync). Each
+        bucket is sent as soon as its tensors are gathered: the extra memory is one bucket."""
+        with self._lock:
+            weights = (t for _, t in self.hf_weights())
+            try:
+                if self.sends:
+                    assert self._group is not None, "init_weight_group first"
+                    weight_sync.broadcast(self._group, weights, bucketed=bucketed)
+            finally:  # a failed push still finishes the gather (the disk fallback comes next)
+                self._gather_only(weights)
 
 
 class LearnerDriver(WeightSource):
@@ -144,26 +166,19 @@ class LearnerDriver(WeightSource):
         self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
                                        micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0,
                                        distributed_optimizer=lc.parallel.distributed_optimizer,
-                                       max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch)
+                                       max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch, dtype=lc.dtype)
         # learner.advantage / loss / off_policy: built-in names, or the user's functions imported here
         self.cfg = alg.RLConfig.from_recipe(lc, recipe.rollout.temperature,
                                             recipe.max_staleness, resolve_fn)
         self.pool = None
         if pool and rank == 0:
             self.pool = open_pool(recipe.pool_uri, create=True, config=recipe.pool, compact_every=recipe.pool.compact_every)
-        # The weights engines get are a copy taken right after each step, so they can be pushed
-        # (or written to disk) while the next step trains; the lock keeps checkpoints whole.
-        self._snapshot: dict[str, torch.Tensor] | None = None
         self.last_step = -1  # the learner step the current weights come from (-1: none yet)
         self.last_metrics: dict[str, Any] = {}  # that step's metrics: a checkpoint of it keeps them (see checkpoint)
-        self._lock = threading.Lock()
-        self._take_snapshot()
 
-    def _take_snapshot(self) -> None:
-        """The weights engines get, gathered from every rank's shards (collective); rank 0 keeps
-        the copy, so pushing and exporting never need the other ranks."""
-        state = self.learner.hf_state_dict()
-        self._snapshot = weight_sync.pack(state) if self.rank == 0 else None
+    @property
+    def sends(self) -> bool:  # type: ignore[override]
+        return self.rank == 0
 
     def _share(self, rows: list[Any] | None) -> list[Any] | None:
         """Rank 0's learner rows (None: no batch) on every rank."""
@@ -198,8 +213,6 @@ class LearnerDriver(WeightSource):
         self.learner.nonfinite_skipped = 0  # the running count is of RL steps
         if self.learner.ref is not None:
             self.learner.ref.load_state_dict(self.learner.model.state_dict())
-        with self._lock:
-            self._take_snapshot()
         return losses
 
     # ------------------------------------------------------------ RL
@@ -239,9 +252,6 @@ class LearnerDriver(WeightSource):
         rows, rewards = learner_rows(batch.groups, self.cfg.advantage)
         m = self._train(step, self._share(rows) or [], {"wait_s": wait_s, **batch_metrics(batch, rewards),
                                                        "stale_dropped_total": self.stale_dropped()})
-        if self.r.run.eval_mode == "background" and eval_due(self.r.run, self.version):
-            assert self._snapshot is not None
-            self._pinned[self.version] = self._snapshot  # kept whole until `export(..., version)` takes it
         return m
 
     def _train(self, step: int, rows: list[Any], info: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -249,7 +259,6 @@ class LearnerDriver(WeightSource):
         tokens = sum(len(r.response) for r in rows)
         with self._lock:
             stats = self.learner.rl_step(rows, self.cfg) if rows else {}
-            self._take_snapshot()  # a copy, laid out as the broadcast sends it
             train_s = time.perf_counter() - t0
             m = {"step": step, "policy_version": self.version, **(info or {}), "train_s": train_s,
                  "train_tokens": tokens, "train_tokens_per_s": tokens / train_s if train_s > 0 else 0.0, **stats}
@@ -292,22 +301,32 @@ class LearnerDriver(WeightSource):
             return None
         with self._lock:
             extra = megatron_checkpoint.load_checkpoint(self.learner, root, step=version)
-            self._take_snapshot()
             self.last_step = int(extra.get("step", self.version - 1))
             self.learner.nonfinite_skipped = int(extra.get("nonfinite_skipped_total", 0))
         return extra
 
     # ------------------------------------------------------------ weights
 
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights as they are now, gathered one tensor at a time (collective: every rank
+        takes every item); take the items under the lock, before a step changes the weights."""
+        return self.learner.hf_weights()
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The newest published weights (HF names); rank 0 holds them."""
-        assert self._snapshot is not None, "the published weights live on rank 0"
-        return self._snapshot
+        """All of them in host memory (the HF export): each to the host as it is gathered, not a
+        second model on the GPU (on CPU: the parameters themselves where tp = 1, read under the lock)."""
+        return {name: t.to("cpu") for name, t in self.hf_weights()}
+
+    def export(self, out_dir: str, version: int | None = None) -> str:
+        """`WeightSource.export`; `version`: the one the caller means (a background evaluation's),
+        which must be the learner's now (the run exports it right after publishing it)."""
+        if version is not None and version != self.version:
+            raise RuntimeError(f"export of version {version} asked for, but the learner is at version {self.version}")
+        return super().export(out_dir)
 
     def checkpoint(self, root: str, extra: dict[str, Any]) -> dict[str, Any]:
         """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step
-        may have trained since the caller asked: the next step overlaps the publish in stream mode).
-        Returns {path, step, version}."""
+        may have trained since the caller asked). Returns {path, step, version}."""
         if os.environ.get(faultpoint.ENV):
             megatron_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
         with self._lock:
@@ -323,14 +342,6 @@ class LearnerDriver(WeightSource):
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-
-
-class _Weights:
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self.state = state
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.state
 
 
 def quiet_megatron() -> None:

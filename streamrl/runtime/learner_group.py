@@ -3,13 +3,15 @@ group, driven through one handle that looks like a single learner actor.
 
     group = LearnerGroup(recipe, model_dir, tokenizer_dir)
     m = await group.train_step.remote(step, max_staleness, 5.0)      # every rank trains; rank 0's metrics
-    await group.push_weights.remote(bucketed)              # rank 0 alone: it holds the weights
+    await group.push_weights.remote(bucketed)              # every rank gathers, rank 0 sends
 
-Collective methods (training, SFT, restore, checkpoint) run on every rank with the same
+Collective methods (training, SFT, restore, checkpoint, and publishing: the weights are gathered
+from every rank's shards as they are pushed or exported) run on every rank with the same
 arguments, in the order the driver called them: each call carries a sequence number and a rank
-runs call k only after k - 1, so two collectives never interleave differently on two ranks (the
-actors are threaded: a push or an export runs on rank 0 while the next step trains). Awaiting a
-collective waits for all ranks and raises the first rank's error. Everything else goes to rank 0.
+runs call k only after k - 1, so two collectives never interleave differently on two ranks, and
+a publish asked for before the next step takes the weights before that step changes them.
+Awaiting a collective waits for all ranks and raises the first rank's error. Everything else
+(the weight group's set-up, pool queries) goes to rank 0, on another of its threads.
 
 The ranks join torch.distributed through a TCPStore this process serves on 127.0.0.1; the
 placement group holds them (one bundle per rank: a CPU slot, plus a GPU on GPU; recipe
@@ -34,7 +36,8 @@ from streamrl.recipe import Recipe, learner_layout
 from streamrl.runtime import placement
 from streamrl.runtime.learner import LearnerDriver, quiet_megatron
 
-COLLECTIVE = frozenset({"train_step", "retrain", "sft", "restore", "checkpoint"})
+COLLECTIVE = frozenset({"train_step", "retrain", "sft", "restore", "checkpoint", "push_weights", "export",
+                        "weights_meta"})
 EVERY_RANK = frozenset({"close"})  # on all ranks, but no collective inside: not ordered
 
 
@@ -103,7 +106,7 @@ class LearnerGroup:
                                f"but the Ray cluster has {have:g}")
         self.store = tcp_store(self.world)  # the ranks' rendezvous; kept for the group's life (new_group uses it)
         self.pg = placement.group(placement.learner_request(recipe))
-        # Threads: a weight push and an evaluation export run on rank 0 while the next step trains.
+        # Threads: rank 0 joins the weight group and answers pool queries while a collective runs.
         cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0, max_concurrency=8)(_Rank)
         recipe_json = msgspec.json.encode(recipe)
         self.ranks = [cls.options(**placement.on(self.pg, i)).remote(recipe_json, model_dir, tokenizer_dir, i,

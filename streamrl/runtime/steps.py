@@ -164,7 +164,7 @@ class Steps:
         v = metrics["policy_version"]
         if eval_due(self.r.run, v):
             bg = self.svc.bg_eval
-            if bg is not None:  # the learner kept version v for this export
+            if bg is not None:  # exported now, before the next step changes the weights
                 path = str(self.svc.dir / "weights" / f"eval-v{v:06d}")
                 bg.submit(v, step + 1, self.learner.export.remote(path, v), metrics["wall_time_s"])
             else:
