@@ -9,6 +9,7 @@ built with the bridge's own provider rather than `bridge.get_model`, which moves
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,10 @@ def make_bridge(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> An
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
     if not _has_te():
         cfg.sequence_parallel = False  # mbridge turns it on with TP; it needs TE/Apex norms
+    if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:
+        # megatron's fused softmax (taken in bf16/fp16 past 16 tokens) imports this Apex-built
+        # extension unconditionally; without it, torch's softmax
+        cfg.masked_softmax_fusion = False
     # Losses come weighted by their share of the whole step over all ranks: the schedule must not
     # divide them by the number of micro-batches, nor DDP average gradients over DP.
     cfg.calculate_per_token_loss = True
