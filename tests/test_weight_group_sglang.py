@@ -13,13 +13,14 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 import zipfile
 
 import pytest
 import torch
 
 from enginekit import CACHE_DIR, SGLANG_VERSION, sglang_api_types
-from streamrl.connectors.ports import listen_socket, port_of
+from streamrl.connectors.ports import PortTaken, held_by, process_tree, says_address_in_use, start_on_free_port
 from streamrl.connectors.sglang.weight_sync import (
     broadcast, create_group, dtype_name, join_group, open_store, plan_buckets, receive,
 )
@@ -50,8 +51,10 @@ def _run_sglang_side(source: str, body: str, port: int, rank: int, world_size: i
         "import datetime, json, torch, torch.distributed",
         "torch_release = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2])",
         source,
-        f"pg = init_custom_process_group(backend='gloo', init_method='tcp://127.0.0.1:{port}', world_size={world_size}, "
-        f"rank={rank}, group_name={group_name!r}, timeout=datetime.timedelta(seconds={TIMEOUT_S}))",
+        # as SGLang's weight updater calls it (the address as a tcp:// URL; rank 0 serves the store)
+        f"pg = init_custom_process_group(backend='gloo', **{{'init_method': 'tcp://127.0.0.1:{port}'}}, "
+        f"world_size={world_size}, rank={rank}, group_name={group_name!r}, "
+        f"timeout=datetime.timedelta(seconds={TIMEOUT_S}))",
         textwrap.dedent(body),
     ])
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -91,14 +94,30 @@ def test_streamrl_engine_side_joins_a_group_formed_by_sglangs_code(sglang_join_s
     """slime's trainer forms rank 0 with the same init_custom_process_group; the embedded
     engine's join_group (TP ranks 1 and 2 of one process here, as an engine with tp=2 joins) must
     meet it on the same keys."""
-    with listen_socket() as probe:  # a free port for the child's store (rank 0 serves it, as in slime)
-        port = port_of(probe)
     sender = """
         for t in [torch.tensor([3, 1, 4, 1, 5]), torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7,
                   torch.tensor([1.5, -2.0], dtype=torch.bfloat16)]:
             torch.distributed.broadcast(t, src=0, group=pg)
     """
-    child = _run_sglang_side(sglang_join_source, sender, port, 0, 3, "wg")
+
+    def start(port: int) -> tuple[subprocess.Popen, int]:
+        """SGLang's side as rank 0 takes only a number (as slime's trainer): started on a free
+        port the connectors/ports.py way, listening before the engine side joins."""
+        child = _run_sglang_side(sglang_join_source, sender, port, 0, 3, "wg")
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                err = child.stderr.read() if child.stderr else ""
+                if says_address_in_use(err):
+                    raise PortTaken(err[-300:])
+                pytest.fail(f"SGLang's side exited ({child.returncode}):\n{err[-3000:]}")
+            if held_by(port, process_tree(child.pid)):
+                return child, port
+            time.sleep(0.05)
+        child.kill()
+        pytest.fail(f"SGLang's side did not listen on {port} within {TIMEOUT_S} s")
+
+    child, port = start_on_free_port(start)
     dtypes, shapes = [dtype_name(t.dtype) for t in SENT.values()], [list(t.shape) for t in SENT.values()]
     try:
         with cf.ThreadPoolExecutor(2) as ex:
