@@ -1,10 +1,16 @@
-"""Tiny HF-format models built locally (no download): a Qwen2 causal LM from a config and a
-byte-level BPE tokenizer trained on the synthetic task's text, saved with `save_pretrained`.
+"""Tiny HF-format models built locally (no download): a Qwen2, Qwen3 or Qwen3-MoE causal LM from
+a config and a byte-level BPE tokenizer trained on the synthetic task's text, saved with
+`save_pretrained`.
 
 The directory loads in transformers (AutoModelForCausalLM / AutoTokenizer), in the embedded
 engine, in mbridge/megatron and, on GPU, in SGLang.
 
     streamrl model init runs/models/tiny --preset tiny
+    streamrl model init runs/models/moe --preset tiny-moe
+
+A preset names its architecture (`arch`, default qwen2). The MoE presets keep every layer sparse
+(Qwen3-MoE's `decoder_sparse_step` 1, no shared expert) with top-2 of 4 experts: the smallest
+layout where expert parallelism (ep=2: 2 experts a rank) and routing both mean something.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+ARCHS = ("qwen2", "qwen3", "qwen3_moe")
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.1M parameters: fast enough for every test on 2 CPU cores.
     "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -20,6 +27,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~3M parameters: the quick-start's default learner.
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=512),
+    "tiny-qwen3": dict(arch="qwen3", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+    # ~0.16M parameters: each expert's MLP is 1/3 of tiny's dense one, 2 of 4 run per token.
+    "tiny-moe": dict(arch="qwen3_moe", hidden_size=64, moe_intermediate_size=64, num_experts=4,
+                     num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, max_position_embeddings=256),
+    # ~3.5M parameters: the MoE quick-start's learner.
+    "small-moe": dict(arch="qwen3_moe", hidden_size=256, moe_intermediate_size=256, num_experts=4,
+                      num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=32, max_position_embeddings=512),
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -72,11 +89,16 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> Any:
 
 def build_model(tokenizer: Any, preset: str = "tiny", seed: int = 0) -> Any:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    cfg = Qwen2Config(
+    shape = dict(PRESETS[preset])
+    arch = shape.pop("arch", "qwen2")
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
+    extra = dict(decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[]) if arch == "qwen3_moe" else {}
+    cfg = config_cls(
         vocab_size=len(tokenizer),
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
@@ -85,10 +107,11 @@ def build_model(tokenizer: Any, preset: str = "tiny", seed: int = 0) -> Any:
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **PRESETS[preset],
+        **extra,
+        **shape,
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg).eval()
+    return model_cls(cfg).eval()
 
 
 def init_model_dir(out: str | Path, preset: str = "tiny", seed: int = 0) -> Path:

@@ -102,7 +102,7 @@ class PlacementCfg(_Cfg):
 class ModelInit(_Cfg):
     """Build the model directory locally when it does not exist (connectors/megatron/model_kit.py)."""
 
-    preset: Literal["tiny", "small"] = "tiny"
+    preset: Literal["tiny", "small", "tiny-qwen3", "tiny-moe", "small-moe"] = "tiny"  # model_kit.PRESETS
     seed: int = 0
 
 

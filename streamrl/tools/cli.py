@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from streamrl.connectors.auth import ADMIN_KEY_ENV, API_KEY_ENV, Keys
-from streamrl.connectors.megatron.model_kit import init_model_dir
+from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir
 from streamrl.connectors.ports import is_loopback, is_wildcard
 from streamrl.connectors.sglang.engine_process import serve_embedded
 from streamrl.pools import PoolError, open_pool
@@ -149,12 +149,13 @@ def _parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("model", help="build a tiny HF-format model and tokenizer locally (no download)")
     ms = m.add_subparsers(dest="model_cmd", required=True, metavar="ACTION")
-    mi = ms.add_parser("init", help="write a Qwen2 model + byte-level BPE tokenizer with save_pretrained",
+    mi = ms.add_parser("init", help="write a Qwen2/Qwen3/Qwen3-MoE model + byte-level BPE tokenizer with save_pretrained",
                        description="Create OUT_DIR with config.json, model.safetensors and tokenizer files that load "
                                    "in transformers, the embedded engine, mbridge/megatron and SGLang.")
     mi.add_argument("out_dir")
-    mi.add_argument("--preset", choices=["tiny", "small"], default="tiny",
-                    help="tiny: ~0.1M parameters (tests); small: ~3M (quick-start learner)")
+    mi.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                    help="tiny: Qwen2, ~0.1M parameters (tests); small: ~3M (quick-start learner); tiny-qwen3: "
+                         "Qwen3 dense, ~0.1M; tiny-moe / small-moe: Qwen3-MoE, top-2 of 4 experts, ~0.16M / ~4M")
     mi.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
 
     e = sub.add_parser("engine", help="run the embedded CPU engine (SGLang's HTTP API)")
