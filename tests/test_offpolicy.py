@@ -56,6 +56,9 @@ def test_none_weights_nothing_and_reports_how_stale():
     # raw weights over the 7 loss tokens: (3 + .25 + 1.5 + 1.2 + .8 + 4 + 2.5) / 7 = 13.25 / 7
     assert m["is_ratio_mean"] == pytest.approx(13.25 / 7) and m["is_ratio_max"] == pytest.approx(4.0)
     assert m["is_weight_mean"] == 1.0 and m["is_capped_tokens"] == m["is_masked_tokens"] == 0.0
+    # the mean |log ratio| over the same 7 tokens
+    gap = sum(abs(math.log(r)) for r in (3, .25, 1.5, 1.2, .8, 4, 2.5)) / 7
+    assert m["logprob_gap"] == pytest.approx(gap, rel=1e-5)
 
 
 def test_tis_truncates_tokens_at_the_cap():

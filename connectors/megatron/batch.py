@@ -18,9 +18,13 @@ import torch
 
 
 class TokenBatch:
-    """ids/positions [B, T]; `resp_mask` [B, T-1] marks targets (ids[:, 1:]) that are response tokens."""
+    """ids/positions [B, T]; `resp_mask` [B, T-1] marks targets (ids[:, 1:]) that are response tokens.
+    With `routing` (one [prompt + response - 1, layers, top_k] expert-id array or None per row: the
+    experts the engine routed each position to, MoE models), `routing` [B, T, layers, top_k] and
+    `routing_known` [B, T] say which positions have them (connectors/megatron/routing.py)."""
 
-    def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0) -> None:
+    def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0,
+                 routing: Sequence[Any] | None = None) -> None:
         if not rows:
             raise ValueError("empty batch")
         lens = [len(p) + len(r) for p, r in rows]
@@ -34,10 +38,25 @@ class TokenBatch:
         self.attn_mask = torch.ones(1, 1, t, t, dtype=torch.bool).triu(1)  # True = masked
         self.prompt_lens = [len(p) for p, _ in rows]
         self.resp_lens = [len(r) for _, r in rows]
+        self.routing: torch.Tensor | None = None
+        self.routing_known: torch.Tensor | None = None
+        given = [(i, torch.as_tensor(x, dtype=torch.long)) for i, x in enumerate(routing or []) if x is not None]
+        if given:
+            shape = given[0][1].shape[1:]
+            self.routing = torch.zeros(len(rows), t, *shape, dtype=torch.long)
+            self.routing_known = torch.zeros(len(rows), t, dtype=torch.bool)
+            for i, x in given:
+                if x.shape[1:] != shape or x.shape[0] != lens[i] - 1:
+                    raise ValueError(f"row {i}: routing of shape {tuple(x.shape)}, expected "
+                                     f"({lens[i] - 1}, {', '.join(map(str, shape))}): one entry per position but the last")
+                self.routing[i, : len(x)] = x
+                self.routing_known[i, : len(x)] = True
+        self.routed_rows = len(given)
 
     def to(self, device: Any) -> TokenBatch:
-        for name in ("ids", "resp_mask", "positions", "attn_mask"):
-            setattr(self, name, getattr(self, name).to(device))
+        for name in ("ids", "resp_mask", "positions", "attn_mask", "routing", "routing_known"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         return self
 
     def response_values(self, per_target: torch.Tensor) -> list[torch.Tensor]:

@@ -388,7 +388,7 @@ def save_checkpoint(learner: Any, root: str | Path, extra: dict | None = None,
     version = int(learner.version)
     opt_common = ms.optimizer_common(learner.opt)
     meta = {"version": version, "extra": extra or {}, "saved_at": time.time(), "torch": torch.__version__,
-            "model_class": type(learner.model).__name__, "layout": {k: lay[k] for k in ("world", "tp", "pp", "dp")},
+            "model_class": type(learner.model).__name__, "layout": {k: lay[k] for k in ("world", "tp", "pp", "dp", "ep")},
             "optimizer": {k: opt_common[k] for k in ("step", "state_keys")}}
     meta_text = json.dumps(meta, indent=1, sort_keys=True)  # fail before writing anything if not JSON
 
@@ -498,7 +498,7 @@ def _verified(d: Path, checksums: bool) -> tuple[dict[str, Any], dict[str, Any],
         _read(d, "sharded/.metadata", ms.check_dcp_metadata)
         _read(d, "sharded/common.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
         lay, saved = ms.layout(), meta["layout"]
-        same = all(lay[k] == saved[k] for k in ("world", "tp", "pp", "dp"))
+        same = all(lay[k] == saved.get(k, 1) for k in ("world", "tp", "pp", "dp", "ep"))  # ep: 1 before MoE
         rng = _read(d, _rng_name(rank if same else 0),
                     lambda p: torch.load(p, map_location="cpu", weights_only=True))
         return meta, {"state": rng, "same_layout": same}

@@ -28,6 +28,16 @@ optimizer included; connectors/megatron/optimizer.py) add:
 - the optimizers accept only tensors whose `.type()` is `torch.cuda.FloatTensor` & co
   (`DistributedOptimizer._build_model_and_main_param_groups`, `clip_grad_by_total_norm_fp32`):
   inside those two calls a CPU tensor's `.type()` answers with the CUDA name.
+Mixture-of-experts layers (the alltoall token dispatcher, the router, the experts) add:
+- `moe.token_dispatcher` makes a `torch.cuda.Stream()` for its device-to-host copies of the
+  split sizes and waits on it (`current_stream`, `torch.cuda.stream`): one CPU stream, no waits;
+  its `maybe_move_tensor_to_cpu` turns the split sizes into numpy only when they were on a GPU;
+- `moe.router` / `moe.experts` / `moe.moe_utils` create their aux-loss and bias tensors on
+  `torch.cuda.current_device()` / "cuda";
+- `tensor_parallel.mappings` allocates the all-gather / reduce-scatter outputs of the expert
+  token exchange (`gather_from_sequence_parallel_region` & co) on `torch.cuda.current_device()`;
+- `moe_utils.RouterGatingLinearFunction` reads `te_general_gemm`, which that module defines
+  only when TransformerEngine imports (NameError without it): None, i.e. torch's mm.
 The bf16 learner (learner.dtype bf16: megatron's mixed precision) adds:
 - `Float16OptimizerWithFloat16Params.__init__` sorts parameters into bf16 ones (which get fp32
   main copies) and fp32 ones by `.type()` against the CUDA names, and refuses anything else: the
@@ -36,6 +46,7 @@ The bf16 learner (learner.dtype bf16: megatron's mixed precision) adds:
 
 from __future__ import annotations
 
+import contextlib
 import types
 from importlib.metadata import version
 from typing import Any
@@ -44,6 +55,25 @@ import torch
 
 PINNED = "0.16"  # the megatron-core minor these patches were written against
 _applied = False
+
+
+class _CpuStream:
+    """A CUDA stream on the CPU: everything runs in order on one stream, so waits are no-ops and
+    every stream is the same one."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self) -> _CpuStream:  # an event on it is waited on with .synchronize()
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CpuStream)
+
+    __hash__ = object.__hash__
 
 
 class _CpuCuda:
@@ -56,6 +86,18 @@ class _CpuCuda:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         """Nothing to wait for: CPU collectives complete before they return."""
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:  # noqa: N802 (torch.cuda.Stream)
+        return _CpuStream()
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def stream(s: Any) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -100,6 +142,15 @@ def _cuda_is_cpu(fn: Any) -> Any:
     return wrapped
 
 
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """moe_utils.maybe_move_tensor_to_cpu converts to numpy only what it moves off a GPU; the
+    alltoall dispatcher passes the result to all_to_all_single as split sizes, which must be a
+    sequence of ints, not a tensor."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _causal_mask_cpu(sq: int) -> torch.Tensor:
     return torch.ones(sq, sq, dtype=torch.bool).triu(1)  # True = masked, as megatron expects
 
@@ -123,6 +174,11 @@ def apply(force: bool = False) -> bool:
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
     import megatron.core.pipeline_parallel.p2p_communication as p2p
     import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.mappings as mappings
+    import megatron.core.transformer.moe.experts as experts
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.router as router
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.transformer.utils as tutils
     import megatron.core.utils as mutils
     from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -135,6 +191,11 @@ def apply(force: bool = False) -> bool:
     schedules.torch = cpu_torch  # total_num_tokens = torch.zeros([], ..., device="cuda")
     p2p.torch = cpu_torch  # receive buffers on current_device(); synchronize() after batched p2p
     mbridge_util.torch = cpu_torch  # broadcast_from_megatron_pp: torch.empty(device=current_device())
+    for moe_module in (token_dispatcher, router, experts, moe_utils, mappings):  # streams, current_device() (module doc)
+        moe_module.torch = cpu_torch
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host  # imported by name there
+    if not hasattr(moe_utils, "te_general_gemm"):  # the router's gemm tests it; set only when TE imports
+        moe_utils.te_general_gemm = None
     LanguageModule.setup_embeddings_and_output_layer = _cuda_is_cpu(  # weight.data.cuda() (pp > 1, tied)
         LanguageModule.setup_embeddings_and_output_layer)
     _patch_ddp_and_optimizer(cpu_torch)

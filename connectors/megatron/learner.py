@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from streamrl.connectors.megatron import routing
 from streamrl.connectors.megatron.batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
 from streamrl.connectors.megatron.model import hf_state_dict, hf_weights, load_model
 from streamrl.connectors.megatron.optimizer import Optimizer
@@ -69,16 +70,25 @@ class Sample:
     rollout_logprobs: Sequence[float] | None = None
     group: int = 0
     loss_mask: Sequence[int] | None = None
+    routed_experts: Any = None  # MoE: [prompt + response - 1, layers, top_k] expert ids from the engine, or None
 
 
 class MegatronLearner:
     def __init__(self, model_dir: str | Path, lr: float = 1e-4, grad_clip: float = 1.0, weight_decay: float = 0.0,
                  warmup_steps: int = 0, micro_batch_size: int = 8, with_reference: bool = False,
                  distributed_optimizer: bool = True, adam_eps: float = 1e-8,
-                 max_tokens_per_micro_batch: int | None = None, dtype: str = "fp32") -> None:
+                 max_tokens_per_micro_batch: int | None = None, dtype: str = "fp32",
+                 moe: dict[str, Any] | None = None, routing_replay: bool = True) -> None:
         self.dtype = DTYPES[dtype]  # bf16: mixed precision (fp32 main params and gradients: optimizer.py)
-        self.model, self.bridge = load_model(model_dir, self.dtype)  # with pp > 1: this stage's chunk
-        self.ref = load_model(model_dir, self.dtype)[0].eval() if with_reference else None
+        self.model, self.bridge = load_model(model_dir, self.dtype, moe)  # with pp > 1: this stage's chunk
+        self.ref = load_model(model_dir, self.dtype, moe)[0].eval() if with_reference else None
+        # MoE: every router answers through a RowReplay (routing.py), which replays the engine's
+        # routing when `routing_replay` and counts how often the learner's own choice differs
+        self.moe = bool(self.bridge.config.num_moe_experts)
+        self._replays = routing.install(self.model)
+        self._ref_replays = routing.install(self.ref) if self.ref is not None else []
+        for r in self._replays + self._ref_replays:
+            r.enabled = routing_replay
         if self.ref is not None:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
@@ -99,10 +109,15 @@ class MegatronLearner:
               with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         return logprobs_and_entropy(self.par.gather_vocab(logits), batch.ids, temperature, with_entropy)
 
+    def _run(self, chunk: Any, b: TokenBatch) -> torch.Tensor:
+        """The model (or this stage's chunk) on one micro-batch, its routers given the batch's routing."""
+        routing.set_batch(self._replays + self._ref_replays, b.routing, b.routing_known)
+        return chunk(b.ids, b.positions, b.attn_mask)
+
     def _forward(self, model: Any, batch: TokenBatch, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole model's log-probs (pp = 1 only: a stage alone has no logits)."""
-        return self._logp(model(batch.ids, batch.positions, batch.attn_mask), batch, temperature, with_entropy)
+        return self._logp(self._run(model, batch), batch, temperature, with_entropy)
 
     def _logprobs(self, model: Any, batches: Sequence[TokenBatch], temperature: float,
                   every_stage: bool) -> list[torch.Tensor | None]:
@@ -110,7 +125,7 @@ class MegatronLearner:
         stage, and on every stage with `every_stage` (else None elsewhere)."""
         def step(chunk: Any, i: int) -> tuple[torch.Tensor, None]:
             b = batches[i]
-            out = chunk(b.ids, b.positions, b.attn_mask)
+            out = self._run(chunk, b)
             return (self._logp(out, b, temperature)[0] if self.par.last_stage else out), None
 
         with torch.no_grad():
@@ -178,7 +193,7 @@ class MegatronLearner:
 
         def step(chunk: Any, i: int) -> tuple[torch.Tensor, Any]:
             b = batches[i]
-            out = chunk(b.ids, b.positions, b.attn_mask)
+            out = self._run(chunk, b)
             if not self.par.last_stage:
                 return out, None
 
@@ -201,8 +216,13 @@ class MegatronLearner:
         on the last stage, reference) log-probs, and from them (step.loss_inputs) the advantages
         and the off-policy correction's loss mask and weights; with the correction's counts for
         the step's metrics."""
-        batches = [TokenBatch([(s.prompt, s.response) for s in mb]).to(self.device) for mb in mbs]
+        batches = [TokenBatch([(s.prompt, s.response) for s in mb], routing=[s.routed_experts for s in mb])
+                   .to(self.device) for mb in mbs]
+        routing.take_counts(self._replays)
         proxs = self._logprobs(self.model, batches, cfg.temperature, every_stage=True)
+        mismatched, known = routing.take_counts(self._replays)  # the proximal forward's: once per token
+        self._routing_counts[0] += mismatched
+        self._routing_counts[1] += known
         refs: list[torch.Tensor | None] = [None] * len(batches)
         if cfg.kl_coef > 0:
             assert self.ref is not None, "kl_coef > 0 needs a reference model (with_reference=True)"
@@ -238,7 +258,7 @@ class MegatronLearner:
 
         def step(chunk: Any, i: int) -> tuple[torch.Tensor, Any]:
             b, x = todo[i]
-            out = chunk(b.ids, b.positions, b.attn_mask)
+            out = self._run(chunk, b)
             if not self.par.last_stage:
                 return out, None
             return out, lambda _: micro_batch_loss(*self._logp(out, b, cfg.temperature, True), x, cfg)  # type: ignore[arg-type]
@@ -265,6 +285,7 @@ class MegatronLearner:
         version moves by one per claimed batch, however many optimizer steps it took: versions
         count what the broadcaster publishes and what staleness is measured in."""
         self.model.train()
+        self._routing_counts = [0, 0]
         minis = [self._dp_share(m, key=lambda s: s.group, tokens=lambda s: len(s.prompt) + len(s.response))
                  for m in self._mini_batches(samples, cfg.mini_batches)]
         prepared: list[list[tuple[TokenBatch, LossInputs]]] = []
@@ -282,7 +303,19 @@ class MegatronLearner:
                 "nonfinite_skipped_total": self.nonfinite_skipped,
                 "optim_steps": [{k: s[k] for k in ("loss", "clip_frac", "ratio_max", "grad_norm", "skipped")}
                                 for s in steps]}
+        out |= self._routing_metrics(samples)
         return out | self._offpolicy_metrics(counts, with_ratio=all(s.rollout_logprobs is not None for s in samples))
+
+    def _routing_metrics(self, samples: Sequence[Sample]) -> dict[str, Any]:
+        """MoE only. routing_own_mismatch: the fraction of (token, layer) pairs with engine routing
+        where the learner's own top-k (before the step) picks other experts; the routing it trained
+        with differs from the engine's nowhere when routing_replay is on. routing_missing_rows:
+        samples without routing data, routed by the learner itself."""
+        if not self.moe:
+            return {}
+        mismatched, known = self.par.world_sum(self._routing_counts)  # tp replicas count alike: a ratio
+        return {"routing_own_mismatch": mismatched / known if known else float("nan"),
+                "routing_missing_rows": sum(s.routed_experts is None for s in samples)}
 
     def _offpolicy_metrics(self, counts: list[dict[str, float]], with_ratio: bool) -> dict[str, float]:
         total = {k: self.par.dp_sum(sum(c[k] for c in counts)) for k in offpolicy.SUM_KEYS}

@@ -21,6 +21,8 @@ accumulated and reduced in fp32 (`grad_reduce_in_fp32`). Without loss scaling: b
   own (tensor-parallel shard) shape whatever the data-parallel layout, so a checkpoint written
   with one layout loads with another (connectors/megatron/checkpoint.py). With the distributed
   optimizer each rank contributes its slice and the slices are summed over DP (collective).
+  MoE expert parameters are a separate optimizer part (megatron's chained optimizer) sliced over the
+  expert-data-parallel ranks (dp / ep): each parameter is assembled over its own part's group.
   In mixed precision they carry the fp32 main parameter too (`main_param`): the bf16 model
   weights alone would round away what Adam's small steps accumulated.
 """
@@ -156,7 +158,8 @@ class Optimizer:
             for i, k in enumerate(keys):
                 if k in state:
                     flat[i, sl] = state[k]
-            dist.all_reduce(flat, group=self.dp_group)  # the slices are disjoint: a sum assembles them
+            # the slices are disjoint: a sum assembles them (over the expert-data-parallel ranks for MoE experts)
+            dist.all_reduce(flat, group=self._owner[p].data_parallel_group)
             out[p] = {k: flat[i].view(p.shape) for i, k in enumerate(keys)}
         return out
 
@@ -217,8 +220,8 @@ class Optimizer:
 def _model_params(part: Any) -> list[torch.nn.Parameter]:
     """The model parameters one of megatron's optimizers steps (the distributed optimizer's inner
     optimizer holds slices of them instead)."""
-    if hasattr(part, "model_param_group_index_map"):
-        return [p for chunk in part.model_chunks for p in chunk.parameters() if p.requires_grad]
+    if hasattr(part, "model_param_group_index_map"):  # its buffers': MoE experts have a part of their own
+        return [p for buf in part.buffers for p in buf.params]
     if hasattr(part, "float16_groups"):  # mixed precision: the inner optimizer holds fp32 main copies
         return [p for groups in (part.float16_groups, part.fp32_from_fp32_groups) for g in groups for p in g]
     return [p for g in part.optimizer.param_groups for p in g["params"]]

@@ -1,6 +1,8 @@
 """The megatron learner's parallel plumbing: process groups and megatron's parallel state,
 Megatron's pipeline schedule around our forward and loss functions, and the gradient
 reductions an optimizer step needs across tensor (TP), pipeline (PP) and data (DP) ranks.
+Expert parallelism (EP, MoE models) lives inside DP: megatron's MoE layers exchange tokens over
+the expert group and its DDP reduces expert gradients over the expert-data-parallel ranks.
 
 Layout (megatron's order): ranks are grouped tp-fastest, then dp, then pp; world = tp * pp * dp.
 - TP: the output layer is vocab-parallel; `gather_vocab` all-gathers the logits so every TP
@@ -27,16 +29,20 @@ from streamrl.connectors.megatron import cpu_shim
 from streamrl.connectors.ports import tcp_store
 
 
-def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, port: int = 0,
-                     listen_fd: int | None = None) -> None:
+def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, ep: int = 1,
+                     port: int = 0, listen_fd: int | None = None) -> None:
     """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
     with tensor parallel size `tp`, pipeline parallel size `pp` (data parallel = world_size /
     (tp * pp)), CPU patches, seeds. The store is on 127.0.0.1 (connectors/ports.py): rank 0 serves
     it on a socket it inherited (`listen_fd`, bound to `port` by whoever started the ranks) or,
     given no port, on one of its own; otherwise every rank connects to `port` (a store the
-    starter serves: the learner group's driver)."""
+    starter serves: the learner group's driver). `ep`: expert parallel size of a mixture-of-experts
+    model, carved out of the data-parallel ranks as megatron does (each of ep ranks holds
+    num_experts / ep experts, their tokens exchanged all-to-all); it must divide dp."""
     if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp * pp = {tp} * {pp}")
+    if ep < 1 or (world_size // (tp * pp)) % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide the data-parallel size {world_size // (tp * pp)}")
     cpu_shim.apply()
     from megatron.core import parallel_state
 
@@ -48,7 +54,8 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
                           serve=rank == 0 and (listen_fd is not None or not port))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
 
@@ -83,6 +90,7 @@ class Parallel:
         self.pp, self.pp_group = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_group()
         self.dp, self.dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         self.dp_group = mpu.get_data_parallel_group()
+        self.ep = mpu.get_expert_model_parallel_world_size()
         self.first_stage, self.last_stage = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
         self.last_rank = mpu.get_pipeline_model_parallel_last_rank()  # global rank of our last stage
         self.rank = dist.get_rank()
@@ -147,6 +155,14 @@ class Parallel:
 
     def dp_max(self, x: float) -> float:
         return self._dp_reduce(x, "max")
+
+    def world_sum(self, xs: Sequence[float]) -> list[float]:
+        """Each value summed over every rank of the world."""
+        if dist.get_world_size() == 1:
+            return list(xs)
+        t = torch.tensor(list(xs), dtype=torch.float64, device=self._device())
+        dist.all_reduce(t)
+        return t.tolist()
 
     def _dp_reduce(self, x: float, op: str) -> float:
         if self.dp == 1:

@@ -48,16 +48,17 @@ OPT_PREFIX = "optimizer.state"
 
 
 def layout() -> dict[str, int]:
-    """This process's place: world size, rank, and the tensor/pipeline/data-parallel sizes."""
+    """This process's place: world size, rank, and the tensor/pipeline/data/expert-parallel sizes."""
     if not (dist.is_available() and dist.is_initialized()):
-        return {"world": 1, "rank": 0, "tp": 1, "pp": 1, "dp": 1}
-    out = {"world": dist.get_world_size(), "rank": dist.get_rank(), "tp": 1, "pp": 1, "dp": dist.get_world_size()}
+        return {"world": 1, "rank": 0, "tp": 1, "pp": 1, "dp": 1, "ep": 1}
+    out = {"world": dist.get_world_size(), "rank": dist.get_rank(), "tp": 1, "pp": 1, "dp": dist.get_world_size(), "ep": 1}
     try:
         from megatron.core import parallel_state as mpu
 
         if mpu.model_parallel_is_initialized():
             out |= {"tp": mpu.get_tensor_model_parallel_world_size(),
-                    "pp": mpu.get_pipeline_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
+                    "pp": mpu.get_pipeline_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size(),
+                    "ep": mpu.get_expert_model_parallel_world_size()}
     except ImportError:
         pass
     return out

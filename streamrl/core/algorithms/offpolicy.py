@@ -139,8 +139,8 @@ def correct(off_policy: str, prox: torch.Tensor, behav: torch.Tensor | None, mas
 
 # ------------------------------------------------------------------ metrics
 
-SUM_KEYS = ("tokens", "seqs", "ratio_sum", "weight_sum", "weighted_tokens", "capped_tokens", "dropped_tokens",
-            "capped_seqs", "dropped_seqs")
+SUM_KEYS = ("tokens", "seqs", "ratio_sum", "gap_sum", "weight_sum", "weighted_tokens", "capped_tokens",
+            "dropped_tokens", "capped_seqs", "dropped_seqs")
 MAX_KEYS = ("ratio_max", "weight_max")
 
 
@@ -152,8 +152,9 @@ def sums(prox: torch.Tensor, behav: torch.Tensor | None, mask: torch.Tensor, c: 
     out = dict.fromkeys(SUM_KEYS, 0.0) | dict.fromkeys(MAX_KEYS, 0.0)
     out["tokens"], out["seqs"] = float(on.sum()), float(seq_on.sum())
     if behav is not None and on.any():
-        r = torch.exp(log_ratio(prox, behav, mask))[on]
-        out["ratio_sum"], out["ratio_max"] = float(r.sum()), float(r.max())
+        lr = log_ratio(prox, behav, mask)[on]
+        r = torch.exp(lr)
+        out["ratio_sum"], out["ratio_max"], out["gap_sum"] = float(r.sum()), float(r.max()), float(lr.abs().sum())
     kept = on & ~c.dropped
     w = (c.weight if c.weight is not None else torch.ones_like(mask))[kept]
     if w.numel():
@@ -168,6 +169,8 @@ def metrics(s: dict[str, float], with_ratio: bool = True) -> dict[str, float]:
     """The step's correction figures from summed counts:
 
     is_ratio_mean/max    exp(prox - behav) over loss tokens, before the correction (how off-policy)
+    logprob_gap          mean |prox - behav| over loss tokens: the learner's log-prob of a sampled
+                         token against the engine's (staleness, kernels and, for MoE, routing)
     is_weight_mean/max   the weight applied, over the tokens still trained on
     is_capped_tokens     fraction of loss tokens whose weight was truncated (tis, tis_seq)
     is_masked_tokens     fraction of loss tokens taken out (mis, decoupled over its cap, icepop)
@@ -178,5 +181,5 @@ def metrics(s: dict[str, float], with_ratio: bool = True) -> dict[str, float]:
            "is_capped_tokens": s["capped_tokens"] / tok, "is_masked_tokens": s["dropped_tokens"] / tok,
            "is_capped_seqs": s["capped_seqs"] / seq, "is_masked_seqs": s["dropped_seqs"] / seq}
     if with_ratio:
-        out |= {"is_ratio_mean": s["ratio_sum"] / tok, "is_ratio_max": s["ratio_max"]}
+        out |= {"is_ratio_mean": s["ratio_sum"] / tok, "is_ratio_max": s["ratio_max"], "logprob_gap": s["gap_sum"] / tok}
     return out
