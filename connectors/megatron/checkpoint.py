@@ -12,13 +12,13 @@ Layout under a checkpoint root:
             common.pt              scheduler state and optimizer param groups (rank 0)
             metadata.json          megatron's format tag
         rng/rank_<rank>.pt         each rank's python / numpy / torch (+ CUDA) RNG states
-        meta.json                  policy version, the caller's `extra`, the layout (world, tp, pp,
+        meta.json                  policy version, the caller's `extra`, the layout (world, tp, pp, ep,
                                    dp), Adam's common step, library versions
         manifest.json              size + sha256 of every file above, and a digest of itself
 
 One format for every layout, one process included (one code path, and a single-process
 checkpoint then loads at tp=2 with nothing to convert): a checkpoint saved with any tensor /
-pipeline / data-parallel layout loads into any other (tp2 -> tp1, dp2 -> dp1, pp2 -> pp1,
+pipeline / data / expert-parallel layout loads into any other (tp2 -> tp1, dp2 -> dp1, pp2 -> pp1, ep2 -> ep1,
 1 -> 2), because every tensor is stored by its global shape and offsets
 (connectors/megatron/sharded.py). RNG states are per rank: restored where the layout matches,
 otherwise every rank takes rank 0's python / numpy / torch CPU states (with a warning).

@@ -132,11 +132,20 @@ def _parallel_conflicts(r: Recipe) -> list[tuple[str, str]]:
     if lc.num_gpus and lc.num_gpus != tp * pp * dp:
         out.append(("learner.num_gpus", f"{lc.num_gpus} GPUs but learner.parallel asks for tp {tp} x pp {pp} x dp {dp} "
                                         f"= {tp * pp * dp} ranks (one GPU each); make them equal or set dp: auto"))
+    if dp % p.ep:
+        out.append(("learner.parallel.ep", f"{p.ep} does not divide dp ({dp}): expert parallel ranks are data-parallel "
+                                           "ranks (megatron), so raise dp or choose a divisor of it"))
     shape = _model_shape(r)
     if shape is None:
         return out
+    experts = shape.get("num_local_experts") or shape.get("num_experts")  # transformers 5 writes the former
+    if p.ep > 1 and not experts:
+        out.append(("learner.parallel.ep", f"{p.ep} but {r.model.path} is not a mixture-of-experts model; use 1"))
+    elif experts and experts % p.ep:
+        out.append(("learner.parallel.ep", f"{p.ep} does not divide the model's {experts} experts; choose a divisor"))
     heads = shape.get("num_attention_heads", 1)
-    for key, size, what in (("tp", tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size")),
+    for key, size, what in (("tp", tp, ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                                         "moe_intermediate_size")),
                             ("pp", pp, ("num_hidden_layers",))):
         for field in what:
             n = shape.get(field, heads if field == "num_key_value_heads" else None)
@@ -155,7 +164,8 @@ def learner_summary(r: Recipe) -> str:
     auto = f" (auto, for run.mode {r.run.mode})" if lc.off_policy == "auto" else ""
     steps = lc.mini_batches * lc.epochs
     tp, pp, dp = learner_layout(r)
-    layout = f"{tp * pp * dp} ranks (tp {tp} x pp {pp} x dp {dp}); " if tp * pp * dp > 1 else ""
+    ep = f", ep {lc.parallel.ep}" if lc.parallel.ep > 1 else ""
+    layout = f"{tp * pp * dp} ranks (tp {tp} x pp {pp} x dp {dp}{ep}); " if tp * pp * dp > 1 else ""
     return (f"{layout}off-policy correction {chosen}{auto}{': ' + keys if keys else ''}; {steps} optimizer step"
             f"{'s' if steps > 1 else ''} per claimed batch ({lc.mini_batches} mini-batch(es) x {lc.epochs} epoch(s)); "
             f"advantage {lc.advantage}, loss {lc.loss}")

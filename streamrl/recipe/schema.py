@@ -216,14 +216,35 @@ class ParallelCfg(_Cfg):
     tp: PosInt = 1  # tensor parallel: attention heads, MLP and vocabulary split over tp ranks
     pp: PosInt = 1  # pipeline parallel: the layers split into pp stages (1F1B over micro-batches)
     dp: PosInt | Literal["auto"] = 1  # data parallel replicas; auto = learner.num_gpus / (tp * pp), 1 on CPU
+    # expert parallel (MoE models): each of ep ranks holds num_experts / ep experts and tokens travel
+    # to their experts all-to-all. Carved out of the data-parallel ranks as in megatron: ep divides dp
+    ep: PosInt = 1
     # with dp > 1: each DP rank keeps 1/dp of Adam's moments (megatron's distributed optimizer, ZeRO-1)
     distributed_optimizer: bool = True
+
+
+class MoeCfg(_Cfg):
+    """Mixture-of-experts router losses (megatron's TransformerConfig defaults); MoE models only."""
+
+    # aux_loss: load balancing over the micro-batch (Switch/GShard); seq_aux_loss: per sequence;
+    # global_aux_loss: over the data-parallel batch; none
+    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    # Weight of that loss (0 = none). Added per micro-batch, as megatron adds it with per-token losses
+    aux_loss_coeff: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    z_loss_coeff: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # router z-loss (ST-MoE); 0 = none
 
 
 class LearnerCfg(_Cfg):
     """Optimisation and the RL objective (formulas: streamrl/core/algorithms/)."""
 
     parallel: ParallelCfg = msgspec.field(default_factory=ParallelCfg)
+    moe: MoeCfg = msgspec.field(default_factory=MoeCfg)
+    # MoE: each token goes to the experts the engine routed it to (R3: the samples' stored routing;
+    # connectors/megatron/routing.py), so the learner's log-probs are those of the network that
+    # sampled; samples without routing data are routed by the learner and counted
+    # (routing_missing_rows). Off: the learner routes every token itself (routing_own_mismatch says
+    # how often it disagrees with the engine)
+    routing_replay: bool = True
     lr: PosFloat = 1e-5
     warmup_steps: NonNegInt = 0
     threads: PosInt = 1  # torch CPU threads of the learner process

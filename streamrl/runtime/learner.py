@@ -14,6 +14,7 @@ the other ranks (msgpack over the group's gloo control group; no pickle), so the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -34,7 +35,7 @@ from streamrl.connectors.sglang import weight_sync
 from streamrl.core import algorithms as alg
 from streamrl.core.algorithms.objective import Choice
 from streamrl.core.staleness import claimed_per_step, decide, mask_stale_tokens
-from streamrl.core.types import Batch, SampleGroup
+from streamrl.core.types import Batch, SampleGroup, from_msgpack, to_msgpack
 from streamrl.plugins.filters import top_by_reward_std
 from streamrl.pools import open_pool
 from streamrl.recipe import Recipe, learner_layout, resolve_fn
@@ -53,7 +54,7 @@ def learner_rows(groups: list[SampleGroup], advantage: Choice) -> tuple[list[Sam
         for s, adv in zip(grp, a):
             rows.append(Sample(prompt=prompt, response=s.response_tokens.tolist(), advantage=float(adv),
                                rollout_logprobs=s.rollout_logprobs.tolist(), group=gi,
-                               loss_mask=s.loss_mask.tolist()))
+                               loss_mask=s.loss_mask.tolist(), routed_experts=getattr(s, "routed_experts", None)))
     return rows, [r for grp in rewards for r in grp]
 
 
@@ -156,7 +157,8 @@ class LearnerDriver(WeightSource):
         if recipe.learner.cpus:  # ranks share out the cores when there are enough, else share them all
             os.sched_setaffinity(0, recipe.learner.cpus[rank::self.world] or recipe.learner.cpus)
         torch.set_num_threads(recipe.learner.threads)
-        init_distributed(rank, self.world, tp=tp, pp=pp, seed=recipe.run.seed, port=store_port)
+        init_distributed(rank, self.world, tp=tp, pp=pp, ep=recipe.learner.parallel.ep, seed=recipe.run.seed,
+                         port=store_port)
         # Batches travel on the host: a gloo group even where training runs on NCCL.
         self._ctl = (dist.new_group(backend="gloo") if torch.cuda.is_available() else dist.group.WORLD) \
             if self.world > 1 else None
@@ -166,7 +168,8 @@ class LearnerDriver(WeightSource):
         self.learner = MegatronLearner(model_dir, lr=lc.lr, grad_clip=lc.grad_clip, warmup_steps=lc.warmup_steps,
                                        micro_batch_size=lc.micro_batch_size, with_reference=lc.kl_coef > 0,
                                        distributed_optimizer=lc.parallel.distributed_optimizer,
-                                       max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch, dtype=lc.dtype)
+                                       max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch, dtype=lc.dtype,
+                                       moe=msgspec.structs.asdict(lc.moe), routing_replay=lc.routing_replay)
         # learner.advantage / loss / off_policy: built-in names, or the user's functions imported here
         self.cfg = alg.RLConfig.from_recipe(lc, recipe.rollout.temperature,
                                             recipe.max_staleness, resolve_fn)
@@ -184,7 +187,12 @@ class LearnerDriver(WeightSource):
         """Rank 0's learner rows (None: no batch) on every rank."""
         if self.world == 1:
             return rows
-        data = msgspec.msgpack.encode(rows) if self.rank == 0 else b""
+        # a routing array travels flat (msgpack ext) beside its shape
+        flat = None if rows is None else [
+            s if s.routed_experts is None else dataclasses.replace(
+                s, routed_experts=(list(s.routed_experts.shape), np.ascontiguousarray(s.routed_experts, np.int32).ravel()))
+            for s in rows]
+        data = to_msgpack(flat) if self.rank == 0 else b""
         n = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(n, src=0, group=self._ctl)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
@@ -192,7 +200,12 @@ class LearnerDriver(WeightSource):
         dist.broadcast(buf, src=0, group=self._ctl)
         if self.rank == 0:
             return rows
-        return msgspec.msgpack.decode(buf.numpy().tobytes(), type=list[Sample] | None)
+        got = from_msgpack(buf.numpy().tobytes(), list[Sample] | None)
+        for s in got or []:
+            if s.routed_experts is not None:
+                shape, arr = s.routed_experts
+                s.routed_experts = arr.reshape(shape)
+        return got
 
     # ------------------------------------------------------------ SFT warm-start
 
