@@ -170,12 +170,12 @@ REPLAY_SCRIPT = textwrap.dedent("""
         routing.set_batch(replays, b.routing, b.routing_known)
         with torch.no_grad():
             logp = logprobs_and_entropy(model(b.ids, b.positions, b.attn_mask), b.ids, 1.0, False)[0]
-        mismatched, known = routing.take_counts(replays)
+        mismatched, used, known = routing.take_counts(replays)
         got = b.response_values(logp)
         out[replay] = {"row0_forced": (got[0] - hf_logprobs(rows[0], forced)[3:]).abs().max().item(),
                        "row0_own": (got[0] - hf_logprobs(rows[0], None)[3:]).abs().max().item(),
                        "row1_own": (got[1] - hf_logprobs(rows[1], None)[1:]).abs().max().item(),
-                       "mismatched": mismatched, "known": known}
+                       "mismatched": mismatched, "used": used, "known": known}
     print(json.dumps(out))
 """)
 
@@ -200,4 +200,4 @@ def test_routing_replay_routes_as_the_engine_did(tmp_path: Path) -> None:
     assert on["row0_own"] > 1e-3, on  # the forced experts changed the log-probs: the comparison can fail
     assert off["row0_own"] < 1e-5 and off["row1_own"] < 1e-5 and off["row0_forced"] > 1e-3, off
     assert on["known"] == off["known"] == 9 * 2  # row 0's 9 positions x 2 layers
-    assert on["mismatched"] == off["mismatched"] > 0
+    assert on["mismatched"] == off["mismatched"] == off["used"] > 0 and on["used"] == 0

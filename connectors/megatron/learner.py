@@ -220,9 +220,8 @@ class MegatronLearner:
                    .to(self.device) for mb in mbs]
         routing.take_counts(self._replays)
         proxs = self._logprobs(self.model, batches, cfg.temperature, every_stage=True)
-        mismatched, known = routing.take_counts(self._replays)  # the proximal forward's: once per token
-        self._routing_counts[0] += mismatched
-        self._routing_counts[1] += known
+        counts = routing.take_counts(self._replays)  # the proximal forward's: once per token
+        self._routing_counts = [a + b for a, b in zip(self._routing_counts, counts)]
         refs: list[torch.Tensor | None] = [None] * len(batches)
         if cfg.kl_coef > 0:
             assert self.ref is not None, "kl_coef > 0 needs a reference model (with_reference=True)"
@@ -285,7 +284,7 @@ class MegatronLearner:
         version moves by one per claimed batch, however many optimizer steps it took: versions
         count what the broadcaster publishes and what staleness is measured in."""
         self.model.train()
-        self._routing_counts = [0, 0]
+        self._routing_counts = [0, 0, 0]
         minis = [self._dp_share(m, key=lambda s: s.group, tokens=lambda s: len(s.prompt) + len(s.response))
                  for m in self._mini_batches(samples, cfg.mini_batches)]
         prepared: list[list[tuple[TokenBatch, LossInputs]]] = []
@@ -307,14 +306,15 @@ class MegatronLearner:
         return out | self._offpolicy_metrics(counts, with_ratio=all(s.rollout_logprobs is not None for s in samples))
 
     def _routing_metrics(self, samples: Sequence[Sample]) -> dict[str, Any]:
-        """MoE only. routing_own_mismatch: the fraction of (token, layer) pairs with engine routing
-        where the learner's own top-k (before the step) picks other experts; the routing it trained
-        with differs from the engine's nowhere when routing_replay is on. routing_missing_rows:
-        samples without routing data, routed by the learner itself."""
+        """MoE only, over the (token, layer) pairs that came with engine routing. routing_own_mismatch:
+        the fraction where the learner's own top-k (before the step) picks other experts;
+        routing_mismatch: where the experts it routed to differ from the engine's (0 with
+        routing_replay). routing_missing_rows: samples without routing data (routed by the learner)."""
         if not self.moe:
             return {}
-        mismatched, known = self.par.world_sum(self._routing_counts)  # tp replicas count alike: a ratio
-        return {"routing_own_mismatch": mismatched / known if known else float("nan"),
+        own, used, known = self.par.world_sum(self._routing_counts)  # tp replicas count alike: ratios
+        return {"routing_own_mismatch": own / known if known else float("nan"),
+                "routing_mismatch": used / known if known else float("nan"),
                 "routing_missing_rows": sum(s.routed_experts is None for s in samples)}
 
     def _offpolicy_metrics(self, counts: list[dict[str, float]], with_ratio: bool) -> dict[str, float]:

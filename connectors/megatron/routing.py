@@ -38,6 +38,7 @@ class RowReplay:
         self.known: torch.Tensor | None = None  # [tokens] bool
         self.enabled = True
         self.mismatched = 0  # known tokens whose own top-k differs from the target (as sets)
+        self.used_mismatched = 0  # known tokens routed elsewhere than the target (0 when replaying)
         self.known_tokens = 0
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
@@ -52,13 +53,15 @@ class RowReplay:
         if target.shape != own.shape:
             raise ValueError(f"layer {self.layer}: routing for {tuple(target.shape)} (tokens, top_k), "
                              f"the micro-batch routes {tuple(own.shape)}")
-        differs = (own.sort(dim=1).values != target.sort(dim=1).values).any(dim=1) & known
-        self.mismatched += int(differs.sum())
+        want = target.sort(dim=1).values
+        self.mismatched += int(((own.sort(dim=1).values != want).any(dim=1) & known).sum())
         self.known_tokens += int(known.sum())
-        if not self.enabled:
-            return probs, own
-        idx = torch.where(known[:, None], target, own)
-        return scores.gather(1, idx), idx
+        if self.enabled:
+            probs, idx = scores.gather(1, (idx := torch.where(known[:, None], target, own))), idx
+        else:
+            idx = own
+        self.used_mismatched += int(((idx.sort(dim=1).values != want).any(dim=1) & known).sum())
+        return probs, idx
 
 
 def install(model: Any) -> list[RowReplay]:
@@ -85,9 +88,11 @@ def set_batch(replays: list[RowReplay], routing: torch.Tensor | None, known: tor
         r.known = known.transpose(0, 1).reshape(t * b)
 
 
-def take_counts(replays: list[RowReplay]) -> tuple[int, int]:
-    """(mismatched, known) token-layer counts since the last call, and reset them."""
-    out = (sum(r.mismatched for r in replays), sum(r.known_tokens for r in replays))
+def take_counts(replays: list[RowReplay]) -> tuple[int, int, int]:
+    """(own choice mismatched, routed mismatched, known) token-layer counts since the last call,
+    and reset them."""
+    out = (sum(r.mismatched for r in replays), sum(r.used_mismatched for r in replays),
+           sum(r.known_tokens for r in replays))
     for r in replays:
-        r.mismatched = r.known_tokens = 0
+        r.mismatched = r.used_mismatched = r.known_tokens = 0
     return out
