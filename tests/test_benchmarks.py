@@ -140,10 +140,19 @@ def _stream_vs_lockstep(d: dict[str, Any]) -> None:
     assert d["steps"] == 1 and stream["samples"] == 4 and stream["rl_wall_s"] > 0, stream
 
 
-def tiny_quickstart(root: Path) -> list[str]:
+def _routing_replay(d: dict[str, Any]) -> None:
+    replay, own = d["runs"]["replay"][0], d["runs"]["no_replay"][0]
+    # the engine sent routing for every sample; replayed, the learner routed exactly as it did
+    assert replay["routing_missing_rows"] == own["routing_missing_rows"] == 0, d["runs"]
+    assert d["routing_mismatch_frac"]["replay"] == 0.0, d
+    assert own["routing_mismatch"] == own["routing_own_mismatch"], own
+    assert replay["logprob_gap"] >= 0 and own["logprob_gap"] >= 0
+
+
+def tiny_quickstart(root: Path, preset: str = "tiny") -> list[str]:
     """Overrides that make recipes/quickstart.yaml a 1-step run of 2 groups of 2 on the tiny model, with a
     1-step SFT and 2 evaluation prompts, on a model and task built in `root` (not in the checkout's runs/)."""
-    init_model_dir(root / "model", "tiny", 0)
+    init_model_dir(root / "model", preset, 0)
     data = write_task(root / "data", seed=0, n_train=64, n_eval=2, n_sft=16)
     return [f"model.path={root / 'model'}", f"data.path={data['train']}", f"data.eval_path={data['eval']}",
             f"sft.path={data['sft']}", "sft.steps=1", "sft.batch_size=4", "data.eval_size=2", "data.eval_samples=1",
@@ -197,6 +206,9 @@ SMOKES: dict[str, Smoke] = {
     "stream_vs_lockstep": Smoke(("stream_vs_lockstep.py", "--quickstart", "--steps", "1", "--modes", "stream",
                                  "--no-pin"), _stream_vs_lockstep, env={"TMPDIR": "{short_tmp}"},
                                 prepare=tiny_quickstart),
+    # Two 2-step MoE runs (ep 2, replay on and off): engine -> pool -> learner routing end to end, ~60 s.
+    "routing_replay": Smoke(("routing_replay.py", "--steps", "2", "--repeats", "1"), _routing_replay,
+                            env={"TMPDIR": "{short_tmp}"}, prepare=lambda root: tiny_quickstart(root, "tiny-moe")),
 }
 # A whole `streamrl run` costs 20-45 s on this 2-core machine (stream_vs_lockstep's form above runs one);
 # these two would add one or two more (off_policy's loop over corrections is stream_vs_lockstep's;
