@@ -1,0 +1,60 @@
+"""MoE routing replay (R3) data: which experts the engine routed each position to.
+
+SGLang (and the embedded engine) answer `return_routed_experts` with base64 of an int32 array
+[tokens, layers, top_k] covering positions [routed_experts_start_len, prompt + output - 1) of the
+request: position p's row is what each layer routed token p to when p was fed through the model
+(the last output token never is). A sample's routing covers [0, P + n - 1) for P prompt and n
+response tokens, so each row is the routing of the policy that generated the NEXT token.
+
+Across partial-rollout segments (streamrl/core/partial.py): segment 1 asks from 0 and gets
+[0, P + m - 1); a resumed segment's input is prompt + the m kept tokens, whose last one segment 1
+never processed, so it asks from P + m - 1 and its rows are appended. `in_place` is one request.
+A segment that starts over (restart, or nothing kept) asks from 0 and replaces everything.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import numpy as np
+
+
+def is_moe(config: dict[str, Any]) -> bool:
+    """Whether an HF config.json describes a mixture-of-experts model (one that routes tokens)."""
+    return bool(config.get("num_experts_per_tok")) and any(
+        config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def start_len(prompt_len: int, kept: int) -> int:
+    """routed_experts_start_len of a request whose input is the prompt + `kept` output tokens."""
+    return prompt_len + kept - 1 if kept else 0
+
+
+def decode(b64: str, layers: int, top_k: int) -> np.ndarray:
+    """SGLang's meta_info["routed_experts"] as int32 [tokens, layers, top_k]."""
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"routed_experts is not base64: {e}") from None
+    if len(raw) % (4 * layers * top_k):
+        raise ValueError(f"routed_experts has {len(raw)} bytes, not a whole number of int32 "
+                         f"[{layers} layers, top {top_k}] rows")
+    return np.frombuffer(raw, np.int32).reshape(-1, layers, top_k)
+
+
+def stitch(have: np.ndarray | None, segment: np.ndarray | None, start: int, rows: int) -> np.ndarray | None:
+    """A response's routing after a segment that asked from position `start` and returned
+    `segment` (None: the engine sent none), when prompt + tokens so far - 1 = `rows`. The rows
+    before `start` are kept from `have`. None when a gap makes the routing incomplete (the
+    engine sent none, or the earlier rows are missing): a sample without routing, never a wrong one."""
+    if segment is None:
+        return have if have is not None and len(have) == rows else None
+    if start and (have is None or len(have) < start):
+        return None
+    out = segment if not start else np.concatenate([have[:start], segment]) if len(segment) else have[:start]  # type: ignore[index]
+    if len(out) != rows:
+        raise ValueError(f"the engine returned routed experts for {len(segment)} positions from {start}; "
+                         f"positions [{start}, {rows}) were processed")
+    return out
