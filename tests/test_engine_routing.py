@@ -20,7 +20,7 @@ from streamrl.connectors.sglang.engine_core import EngineCore
 from streamrl.connectors.sglang.client import EngineError, SGLangClient
 from streamrl.core import routing
 
-from enginekit import EngineProc, load_model
+from enginekit import EngineProc, hf_routes, load_model
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +39,6 @@ def moe_engine(moe_dirs, tmp_path_factory: pytest.TempPathFactory):
 def _shape(model_dir: Path) -> tuple[int, int]:
     cfg = json.loads((model_dir / "config.json").read_text())
     return cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
-
-
-def hf_routes(model: Any, tokens: list[int]) -> np.ndarray:
-    """[len(tokens), layers, top_k]: each layer router's top-k for `tokens` in one plain forward."""
-    got: dict[int, torch.Tensor] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out, li=li: got.__setitem__(li, out[2]))
-             for li, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack([got[li] for li in range(len(got))], 1).to(torch.int32).numpy()
 
 
 def _generate(url: str, body: dict[str, Any]) -> Any:

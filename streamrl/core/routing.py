@@ -27,6 +27,11 @@ def is_moe(config: dict[str, Any]) -> bool:
         config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
+def wanted(setting: str, config: dict[str, Any]) -> bool:
+    """Whether rollouts ask for routed experts under the recipe's `rollout.routing`."""
+    return setting == "on" or (setting == "auto" and is_moe(config))
+
+
 def start_len(prompt_len: int, kept: int) -> int:
     """routed_experts_start_len of a request whose input is the prompt + `kept` output tokens."""
     return prompt_len + kept - 1 if kept else 0
