@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from streamrl.connectors.megatron.model_kit import init_model_dir
-from streamrl.connectors.sglang.engine_core import EngineCore
+from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest, routed_rows
 from streamrl.connectors.sglang.client import EngineError, SGLangClient
 from streamrl.core import routing
 
@@ -117,3 +117,26 @@ def test_weights_by_per_expert_names_fill_the_fused_tensors(moe_engine, moe_dirs
         core.load_state_dict({"model.layers.1.mlp.experts.9.up_proj.weight": up}, None)
     with pytest.raises(ValueError, match="shape mismatch"):
         core.load_state_dict({"model.layers.1.mlp.experts.2.up_proj.weight": up[:1]}, None)
+
+
+def test_in_place_update_keeps_the_rows_routed_before_it(moe_dirs):
+    """A request that goes on across an in-place weight update: positions processed before it keep
+    the old weights' routing (the engine never recomputes them), the later ones come from the new."""
+    core = EngineCore(moe_dirs[0], device="cpu", weight_version="0")
+    ids = PROMPTS[0]
+    req = GenRequest(rid="r", input_ids=list(ids), max_new_tokens=6, temperature=0.0, ignore_eos=True,
+                     routed_experts=True)
+    core.submit(req)
+    core._admit()  # prefill: token 1, rows for the prompt
+    core._decode()  # token 2: row of position P
+    core._decode()  # token 3: row of position P + 1
+    core.load_state_dict(load_file(str(moe_dirs[1] / "model.safetensors")), "1")
+    while req.finish is None:
+        core._decode()
+    P, n = len(ids), len(req.output_ids)
+    rows = routed_rows(req, 0).numpy()
+    assert n == 6 and rows.shape[0] == P + n - 1
+    assert [s[0] for s in req.spans] == ["0", "1"] and req.spans[0][2] == 3
+    seq = ids + req.output_ids
+    np.testing.assert_array_equal(np.sort(rows[:P + 2], -1), np.sort(hf_routes(load_model(moe_dirs[0]), seq[:P + 2]), -1))
+    assert not np.array_equal(np.sort(rows, -1), np.sort(hf_routes(load_model(moe_dirs[0]), seq[:-1]), -1))
