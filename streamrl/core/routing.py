@@ -27,6 +27,26 @@ def is_moe(config: dict[str, Any]) -> bool:
         config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
+def experts_of(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(layers, experts per token, experts) of an HF config.json; (layers, 0, 0) for a dense model."""
+    if not is_moe(config):
+        return int(config.get("num_hidden_layers") or 0), 0, 0
+    experts = next(int(config[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k))
+    return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]), experts
+
+
+def shape_problem(routed: np.ndarray, experts: tuple[int, int, int]) -> str | None:
+    """Why `routed` ([positions, layers, top_k]) cannot be this model's routing, or None."""
+    layers, top_k, num = experts
+    if not top_k:
+        return "is given but this run's model is not a mixture of experts"
+    if len(routed) and routed.shape[1:] != (layers, top_k):
+        return f"has {routed.shape[1]} layers x top {routed.shape[2]}; this run's model routes {layers} x top {top_k}"
+    if len(routed) and int(routed.max()) >= num:
+        return f"holds expert id {int(routed.max())}; this run's model has {num} experts (ids 0..{num - 1})"
+    return None
+
+
 def wanted(setting: str, config: dict[str, Any]) -> bool:
     """Whether rollouts ask for routed experts under the recipe's `rollout.routing`."""
     return setting == "on" or (setting == "auto" and is_moe(config))
