@@ -5,6 +5,7 @@ wire forms, and the pool's compact columns (exact round trip; pools from before 
 from __future__ import annotations
 
 import base64
+import json
 
 import lancedb
 import msgspec
@@ -15,7 +16,9 @@ import pytest
 from streamrl.core import partial, routing
 from streamrl.core.types import Sample, SampleGroup, VersionSpan, from_json, from_msgpack, to_json, to_msgpack
 from streamrl.pools import LancePool
+from streamrl.pools.experts import expert_stats
 from streamrl.pools.schema import POOL_SCHEMA, ROUTING_COLUMNS
+from streamrl.tools import cli
 
 from poolkit import admissions_for, assert_group_equal, make_group
 
@@ -143,3 +146,23 @@ def test_a_pool_from_before_routing_opens_and_takes_routed_groups(run_dir):
         assert_group_equal(got["new"], new)
     finally:
         p.close()
+
+
+def test_expert_stats_count_each_position_under_the_version_after_it(pool, capsys):
+    """Prompt of 2, 3 response tokens under versions 0, 0, 1: rows 0..3 (positions 0..3) count
+    under 0, 0, 0, 1 (row p: the version of response token p - 1). Every row picks experts
+    (row, row + 1) in layer 0 and (5, 6) in layer 1, so the counts are known exactly."""
+    rows = np.array([[[p, p + 1], [5, 6]] for p in range(4)], np.int32)
+    s = Sample(index=0, response_tokens=[1, 2, 3], rollout_logprobs=[-1] * 3,
+               spans=[VersionSpan(0, 0, 2), VersionSpan(1, 2, 3)], reward=1.0, routed_experts=rows)
+    plain = Sample(index=1, response_tokens=[4], rollout_logprobs=[-1], spans=[VersionSpan(0, 0, 1)], reward=0.0)
+    pool.append([SampleGroup(group_id="g", prompt_id="p", prompt_tokens=[7, 8], samples=[s, plain])], admit=True)
+    got = {(r["version"], r["layer"], r["expert"]): (r["chosen"], r["share"]) for r in expert_stats(pool).to_pylist()}
+    want = {(0, 0, 0): 1, (0, 0, 1): 2, (0, 0, 2): 2, (0, 0, 3): 1, (0, 1, 5): 3, (0, 1, 6): 3,
+            (1, 0, 3): 1, (1, 0, 4): 1, (1, 1, 5): 1, (1, 1, 6): 1}
+    assert {k: c for k, (c, _) in got.items()} == want
+    assert got[(0, 0, 1)][1] == pytest.approx(2 / 6) and got[(1, 1, 5)][1] == 0.5
+    assert expert_stats(pool, "status = 'dropped'").num_rows == 0
+    assert cli.main(["pool", "experts", str(pool.uri), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert {(r["version"], r["layer"], r["expert"]): r["chosen"] for r in printed} == want
