@@ -22,7 +22,7 @@ from streamrl.tools import cli
 
 from poolkit import admissions_for, assert_group_equal, make_group
 
-L, K = 3, 2  # layers, experts per token
+L, K = 6, 4  # layers, experts per token
 
 
 def _engine_rows(truth: np.ndarray, start: int, end: int) -> str:
@@ -166,3 +166,21 @@ def test_expert_stats_count_each_position_under_the_version_after_it(pool, capsy
     assert cli.main(["pool", "experts", str(pool.uri), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert {(r["version"], r["layer"], r["expert"]): r["chosen"] for r in printed} == want
+
+
+def test_routing_costs_top_k_bytes_per_token_per_layer_on_disk(tmp_path):
+    """The same 16 samples with and without routed experts (600 positions, 6 layers, top 4 of 64):
+    the pool grows by about top_k bytes per position and layer (uint8 ids), not SGLang's 4 x top_k."""
+    def size(d) -> int:
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+    grown = []
+    for routed in (False, True):
+        groups = [make_group(f"s{i}", n=8, num_tokens=500, prompt_len=101, vary_lengths=False) for i in range(2)]
+        if routed:
+            groups = [_with_routing(g, num_experts=64) for g in groups]
+        with LancePool(tmp_path / str(routed)) as p:
+            p.append(groups)
+        grown.append(size(tmp_path / str(routed)))
+    per = (grown[1] - grown[0]) / (16 * 600 * L)
+    assert K <= per < K * 1.1, per
