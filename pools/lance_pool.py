@@ -49,7 +49,7 @@ from streamrl.pools.schema import (
     CLAIMS_TABLE,
     POOL_SCHEMA,
     POOL_TABLE,
-    ROUTING_COLUMNS,
+    added_columns,
     admissions_to_table,
     groups_to_table,
     table_to_groups,
@@ -114,8 +114,7 @@ class LancePool:
             raise damage.open_error(self.uri, e, (POOL_TABLE, ADMISSIONS_TABLE)) from None
         self._pool, self._adm = self._tables[POOL_TABLE], self._tables[ADMISSIONS_TABLE]
         names = set(self._pool.schema.names)
-        if missing := [f for f in POOL_SCHEMA if f.name in ROUTING_COLUMNS and f.name not in names]:
-            # a pool from before routing data: add the columns, all null (metadata only)
+        if missing := added_columns(names):  # a pool from before them: add them, all null (metadata only)
             retry_conflicts(lambda: self._open(POOL_TABLE).add_columns(missing))
             names |= {f.name for f in missing}
         if names != set(POOL_SCHEMA.names):

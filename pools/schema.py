@@ -111,6 +111,11 @@ POOL_SCHEMA = pa.schema(
 )
 ROUTING_COLUMNS = ("routed_experts", "routed_layers", "routed_top_k", "routed_id_bytes")
 
+
+def added_columns(names: set[str]) -> list[pa.Field]:
+    """The columns a pool table with `names` lacks that came after the first pools (all nullable)."""
+    return [f for f in POOL_SCHEMA if f.name in ROUTING_COLUMNS and f.name not in names]
+
 ADMISSIONS_SCHEMA = pa.schema(
     [
         ("group_id", pa.string()),

@@ -100,23 +100,6 @@ def hf_greedy(model: Any, prompt: Sequence[int], n: int) -> list[int]:
     return out_ids
 
 
-def hf_routes(model: Any, tokens: Sequence[int]) -> Any:
-    """int32 numpy [len(tokens), layers, top_k]: each MoE layer router's top-k ids for `tokens` in
-    one plain transformers forward (Qwen3-MoE: the router returns logits, weights, ids)."""
-    import torch
-
-    got: dict[int, Any] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out, li=li: got.__setitem__(li, out[2]))
-             for li, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack([got[li] for li in range(len(got))], 1).to(torch.int32).numpy()
-
-
 # ---------------------------------------------------------------- processes
 
 

@@ -15,18 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from streamrl.connectors.megatron.model_kit import init_model_dir
 from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest, routed_rows
 from streamrl.connectors.sglang.client import EngineError, SGLangClient
 from streamrl.core import routing
 
-from enginekit import EngineProc, hf_routes, load_model
+from enginekit import EngineProc, load_model
+from moekit import hf_routes, moe_model_dirs
 
 
 @pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("moe")
-    return init_model_dir(root / "seed0", "tiny-moe", seed=0), init_model_dir(root / "seed1", "tiny-moe", seed=1)
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return moe_model_dirs(tmp_path_factory.mktemp("moe"), (0, 1))
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +139,15 @@ def test_in_place_update_keeps_the_rows_routed_before_it(moe_dirs):
     seq = ids + req.output_ids
     np.testing.assert_array_equal(np.sort(rows[:P + 2], -1), np.sort(hf_routes(load_model(moe_dirs[0]), seq[:P + 2]), -1))
     assert not np.array_equal(np.sort(rows, -1), np.sort(hf_routes(load_model(moe_dirs[0]), seq[:-1]), -1))
+
+
+def test_without_the_flag_nothing_is_captured(moe_dirs):
+    """SGLang without --enable-return-routed-experts answers without routed experts; so does the
+    engine built with enable_return_routed_experts=False (and it hooks nothing)."""
+    core = EngineCore(moe_dirs[0], device="cpu", enable_return_routed_experts=False)
+    req = GenRequest(rid="r", input_ids=list(PROMPTS[1]), max_new_tokens=2, temperature=0.0, routed_experts=True)
+    core.submit(req)
+    core._admit()
+    while req.finish is None:
+        core._decode()
+    assert not core.captures_routing and routed_rows(req, 0) is None and len(req.output_ids) == 2

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from streamrl.connectors.megatron.model_kit import init_model_dir
 from streamrl.connectors.ports import listen_socket, port_of
 from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.core import routing
@@ -25,7 +24,8 @@ from streamrl.pools import LancePool
 from streamrl.recipe import load_recipe
 from streamrl.runtime.rollout import RolloutWorker
 
-from enginekit import EngineProc, hf_routes, load_model
+from enginekit import EngineProc, load_model
+from moekit import hf_routes, moe_model_dirs
 from streamkit import write_recipe
 
 CUTS = (3, 2)  # tokens the first and second calls get before their "version update"
@@ -33,8 +33,7 @@ CUTS = (3, 2)  # tokens the first and second calls get before their "version upd
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("moe-versions")
-    return [init_model_dir(root / f"v{v}", "tiny-moe", seed=v) for v in range(3)]
+    return moe_model_dirs(tmp_path_factory.mktemp("moe-versions"), (0, 1, 2))
 
 
 class _Interrupter:
