@@ -341,7 +341,7 @@ class EngineCore:
         for r, i, want in zip(reqs, row_of, want_input):
             r.kv = kvs[i]
             if routes is not None and r.routed_experts:  # every position again: replaces a retracted request's
-                r.routing = [routes[i, lmax - lens[i]:]]
+                r.routing = [routes[i, lmax - lens[i]:].clone()]  # a copy: a view would keep the whole batch's
             if want:
                 r.input_logprobs = _input_logprobs(out.logits[i, lmax - lens[i]:], r)
         self._sample_and_record(reqs, out.logits[:, -1, :][torch.tensor(row_of, device=self.device)])
@@ -400,7 +400,7 @@ class EngineCore:
         if routes is not None:
             for r, row in zip(batch, routes):
                 if r.routing is not None:
-                    r.routing.append(row)
+                    r.routing.append(row.clone())  # a view would keep the whole step's rows alive
         self.steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
         self._sample_and_record(list(batch), out.logits[:, -1, :])
