@@ -61,7 +61,7 @@ one (every read through LancePool applies this), else the stored ones:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -115,6 +115,22 @@ ROUTING_COLUMNS = ("routed_experts", "routed_layers", "routed_top_k", "routed_id
 def added_columns(names: set[str]) -> list[pa.Field]:
     """The columns a pool table with `names` lacks that came after the first pools (all nullable)."""
     return [f for f in POOL_SCHEMA if f.name in ROUTING_COLUMNS and f.name not in names]
+
+
+def add_new_columns(open_table: Callable[[], Any], tries: int = 5) -> set[str]:
+    """Add the columns a pool table (`open_table()`: its pylance dataset, fresh) lacks, all null (a
+    metadata-only change), and return its column names. Processes opening one old pool at once
+    race: the losers' adds fail (a conflict, or the columns exist) and they look again."""
+    for attempt in range(tries):
+        ds = open_table()
+        if not (missing := added_columns(set(ds.schema.names))):
+            return set(ds.schema.names)
+        try:
+            ds.add_columns(missing)
+        except Exception:  # noqa: BLE001 - Lance raises plain errors; the next look tells
+            if attempt == tries - 1:
+                raise
+    return set(open_table().schema.names)
 
 ADMISSIONS_SCHEMA = pa.schema(
     [

@@ -17,10 +17,10 @@ from streamrl.core import partial, routing
 from streamrl.core.types import Sample, SampleGroup, VersionSpan, from_json, from_msgpack, to_json, to_msgpack
 from streamrl.pools import LancePool
 from streamrl.pools.experts import expert_stats
-from streamrl.pools.schema import POOL_SCHEMA, ROUTING_COLUMNS
+from streamrl.pools.schema import POOL_SCHEMA, ROUTING_COLUMNS, groups_to_table
 from streamrl.tools import cli
 
-from poolkit import admissions_for, assert_group_equal, make_group
+from poolkit import assert_group_equal, make_group, popen_python
 
 L, K = 6, 4  # layers, experts per token
 
@@ -129,14 +129,18 @@ def test_pool_round_trip_is_exact(pool, num_experts):
     assert width == [1 if num_experts <= 256 else 2] * 3
 
 
-def test_a_pool_from_before_routing_opens_and_takes_routed_groups(run_dir):
+def _old_pool(path, first: SampleGroup) -> None:
+    """A pool whose `pool` table has the columns from before routing data, holding `first`."""
     old = pa.schema([f for f in POOL_SCHEMA if f.name not in ROUTING_COLUMNS])
-    first = make_group("old", n=2)
-    LancePool(run_dir / "pool").close()  # the other tables, as a pool creates them
-    db = lancedb.connect(str(run_dir / "pool"))
+    LancePool(path).close()  # the other tables, as a pool creates them
+    db = lancedb.connect(str(path))
     db.drop_table("pool")
-    from streamrl.pools.schema import groups_to_table
     db.create_table("pool", groups_to_table([first]).select(old.names).cast(old))
+
+
+def test_a_pool_from_before_routing_opens_and_takes_routed_groups(run_dir):
+    first = make_group("old", n=2)
+    _old_pool(run_dir / "pool", first)
     p = LancePool(run_dir / "pool")
     try:
         new = _with_routing(make_group("new", n=2))
@@ -184,3 +188,14 @@ def test_routing_costs_top_k_bytes_per_token_per_layer_on_disk(tmp_path):
         grown.append(size(tmp_path / str(routed)))
     per = (grown[1] - grown[0]) / (16 * 600 * L)
     assert K <= per < K * 1.1, per
+
+
+def test_processes_opening_one_old_pool_at_once_all_open_it(run_dir):
+    first = make_group("old", n=2)
+    _old_pool(run_dir / "pool", first)
+    procs = [popen_python("from streamrl.pools import LancePool; LancePool(%r).close(); print('ok')"
+                          % str(run_dir / "pool")) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    with LancePool(run_dir / "pool") as p:
+        assert_group_equal(p.groups(["old"])[0], first)
