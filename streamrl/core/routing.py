@@ -47,9 +47,14 @@ def shape_problem(routed: np.ndarray, experts: tuple[int, int, int]) -> str | No
     return None
 
 
-def wanted(setting: str, config: dict[str, Any]) -> bool:
+def mode(setting: str | bool) -> str:
+    """The recipe's `rollout.routing` as auto, on or off (YAML reads unquoted on/off as booleans)."""
+    return "on" if setting is True else "off" if setting is False else setting
+
+
+def wanted(setting: str | bool, config: dict[str, Any]) -> bool:
     """Whether rollouts ask for routed experts under the recipe's `rollout.routing`."""
-    return setting == "on" or (setting == "auto" and is_moe(config))
+    return mode(setting) == "on" or (mode(setting) == "auto" and is_moe(config))
 
 
 def start_len(prompt_len: int, kept: int) -> int:

@@ -160,8 +160,9 @@ class RolloutCfg(_Cfg):
     workers: NonNegInt = 1  # rollout worker actors; 0 = only external producers (producer_api) feed the run
     # MoE routing replay (R3): ask the engines which experts each token was routed to and store it with the
     # sample (the learner replays it). auto = on when the model's config.json names experts
-    # (num_experts_per_tok); on: a response that comes back without routing fails its sample
-    routing: Literal["auto", "on", "off"] = "auto"
+    # (num_experts_per_tok); on: a response that comes back without routing fails its sample. YAML reads
+    # unquoted on/off as true/false: both spellings work
+    routing: Literal["auto", "on", "off"] | bool = "auto"
 
 
 class StalenessCfg(_Cfg):

@@ -400,7 +400,7 @@ class RolloutWorker:
         self.stats["routing_missing"] += 1
         why = ("the engine sent no routed experts (SGLang needs --enable-return-routed-experts; sglang-router "
                "0.3.2 drops return_routed_experts from the /generate bodies it forwards)")
-        if self.r.rollout.routing == "on":
+        if routing.mode(self.r.rollout.routing) == "on":
             t.error = f"rollout.routing is on but {why}"
         elif self.stats["routing_missing"] == 1:
             log.warning("%s: %s; such samples are stored without routing", self.producer_id, why)
