@@ -170,6 +170,9 @@ def test_expert_stats_count_each_position_under_the_version_after_it(pool, capsy
     assert cli.main(["pool", "experts", str(pool.uri), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert {(r["version"], r["layer"], r["expert"]): r["chosen"] for r in printed} == want
+    assert cli.main(["pool", "show", str(pool.uri), "g"]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert "routed_experts=4x2x2" in shown[3] and "routed_experts" not in shown[5], shown
 
 
 def test_routing_costs_top_k_bytes_per_token_per_layer_on_disk(tmp_path):

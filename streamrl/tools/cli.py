@@ -536,6 +536,8 @@ def _print_group(g: Any, tok: Any) -> None:
         err = f"  FAILED: {_plain(s.error)}" if s.failed else ""
         masked = int((s.loss_mask == 0).sum())
         note = f" masked={masked} (shown in [[...]])" if masked else ""
+        if s.routed_experts is not None:  # positions x layers x top_k (streamrl pool experts counts them)
+            note += f" routed_experts={'x'.join(map(str, s.routed_experts.shape))}"
         print(f"  [{s.index}] reward={s.reward} finish={s.finish_reason or '-'} tokens={s.num_tokens} "
               f"spans={spans}{note}{err}")
         print(f"      {_masked_text(s, text)!r}")
