@@ -19,7 +19,9 @@ from aiohttp import web
 
 from streamrl.connectors.ports import listen_socket, port_of
 from streamrl.connectors.sglang.client import SGLangClient
+from streamrl.connectors.sglang.router import Router
 from streamrl.core import routing
+from streamrl.core.types import SampleGroup
 from streamrl.pools import LancePool
 from streamrl.recipe import load_recipe
 from streamrl.runtime.rollout import RolloutWorker
@@ -60,13 +62,23 @@ class _Interrupter:
         return web.json_response(out)
 
 
-def test_abort_resume_stores_routing_stitched_across_two_version_changes(moe_dirs, tmp_path):
-    engine = EngineProc(moe_dirs[0], tmp_path / "engine.log").wait_ready()
+def _recipe(tmp_path: Path, model_dir: Path, name: str, routing: str) -> Any:
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "abc def", "label": "1"}) + "\n")
-    recipe = load_recipe(write_recipe(tmp_path, moe_dirs[0], data, {
-        "run.dir": str(tmp_path / "run"), "rollout.n_samples": 1, "rollout.max_new_tokens": 9,
-        "rollout.temperature": 0.0, "rollout.routing": "auto", "data.epochs": 1}))
+    return load_recipe(write_recipe(tmp_path, model_dir, data, {
+        "run.dir": str(tmp_path / name), "rollout.n_samples": 1, "rollout.max_new_tokens": 9,
+        "rollout.temperature": 0.0, "rollout.routing": routing, "data.epochs": 1}, name=f"{name}.yaml"))
+
+
+def _stored(recipe: Any) -> SampleGroup:
+    with LancePool(recipe.pool_uri) as pool:
+        (group,) = pool.groups(list(pool.producer_groups("rollout-0")))
+    return group
+
+
+def test_abort_resume_stores_routing_stitched_across_two_version_changes(moe_dirs, tmp_path):
+    engine = EngineProc(moe_dirs[0], tmp_path / "engine.log").wait_ready()
+    recipe = _recipe(tmp_path, moe_dirs[0], "run", "auto")
     layers, top_k = 2, 2
     proxy = _Interrupter(engine.url, moe_dirs)
 
@@ -89,11 +101,7 @@ def test_abort_resume_stores_routing_stitched_across_two_version_changes(moe_dir
     finally:
         engine.stop()
     assert len(proxy.calls) == 3
-    pool = LancePool(recipe.pool_uri)
-    try:
-        (group,) = pool.groups([g for g in pool.producer_groups("rollout-0")])
-    finally:
-        pool.close()
+    group = _stored(recipe)
     s, P = group.samples[0], len(group.prompt_tokens)
     n = s.num_tokens
     assert [(sp.version, sp.start, sp.end) for sp in s.spans] == [(0, 0, 3), (1, 3, 5), (2, 5, n)]
@@ -113,3 +121,35 @@ def test_abort_resume_stores_routing_stitched_across_two_version_changes(moe_dir
     for v, (start, end, got) in enumerate(zip(starts, ends, rows)):
         np.testing.assert_array_equal(np.sort(got, -1), np.sort(hf_routes(models[v], seq[:end])[start:], -1))
     assert not np.array_equal(np.sort(s.routed_experts, -1), np.sort(hf_routes(models[0], seq[:-1]), -1))
+
+
+def test_through_sglang_router_no_routing_comes_back(moe_dirs, tmp_path):
+    """sglang-router 0.3.2 drops return_routed_experts from the /generate bodies it forwards: with
+    rollout.routing auto the sample is stored without routing, with on it fails with the reason.
+    (When a router forwards the field, this test fails: then runs get routing through it.)"""
+    engine = EngineProc(moe_dirs[0], tmp_path / "engine.log").wait_ready()
+    router = Router(policy="round_robin", log_dir=tmp_path).start()
+
+    async def run() -> dict[str, dict[str, Any]]:
+        await router.add_worker(engine.url)
+        await router.client.close()
+        for c in router.workers.values():
+            await c.close()
+        reports = {}
+        for routing in ("auto", "on"):
+            worker = RolloutWorker(_recipe(tmp_path, moe_dirs[0], routing, routing), router.url)
+            try:
+                reports[routing] = await worker.generate(1)
+            finally:
+                await worker.close()
+        return reports
+
+    try:
+        reports = asyncio.run(run())
+    finally:
+        router.stop()
+        engine.stop()
+    auto, on = (_stored(_recipe(tmp_path, moe_dirs[0], r, r)) for r in ("auto", "on"))
+    assert auto.status == "complete" and auto.samples[0].routed_experts is None and auto.samples[0].num_tokens == 9
+    assert reports["auto"]["routing_missing"] == 1
+    assert on.status == "failed" and "rollout.routing is on but the engine sent no routed experts" in on.drop_reason
