@@ -91,6 +91,7 @@ def test_in_place_restart_and_gaps():
     bad = partial.Trajectory(prompt=[1, 2, 3], max_new_tokens=5)
     with pytest.raises(ValueError, match="routed experts for 2 positions from 0"):
         partial.absorb(bad, [7], [-1.0], [VersionSpan(0, 0, 1)], "stop", routed_experts=truth[:2])
+    assert bad.tokens == [] and bad.logprobs == [] and bad.routed is None  # refused whole: nothing half-absorbed
 
 
 def test_group_checks_rows_and_ids_and_names_the_sample():

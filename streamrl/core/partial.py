@@ -87,9 +87,9 @@ def absorb(t: Trajectory, output_ids: Sequence[int], logprobs: Sequence[float],
     covered = (out[-1].end if out else 0) - len(t.tokens)
     if covered != len(output_ids):
         raise ValueError(f"version spans cover {covered} of {len(output_ids)} new tokens")
-    start = routed_start(t)
+    routed = routing.stitch(t.routed, routed_experts, routed_start(t), len(t.prompt) + len(t.tokens) + len(output_ids) - 1)
     t.tokens += list(map(int, output_ids))
-    t.routed = routing.stitch(t.routed, routed_experts, start, len(t.prompt) + len(t.tokens) - 1)
+    t.routed = routed
     t.logprobs += list(map(float, logprobs))
     t.spans = out
     if aborted:
