@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import yaml
 
+from streamrl.core import routing
 from streamrl.plugins.rewards import exact_match
 from streamrl.recipe import (
     EnginesCfg,
@@ -487,12 +488,10 @@ def test_inconsistent_learner_settings_name_the_key(overrides, key, fragment):
 
 
 def test_routing_on_loads_for_a_moe_model_in_either_spelling():
-    from streamrl.core.routing import mode
-
     moe = ["model.init.preset=tiny-moe", "model.path=runs/no-such-model"]
-    assert mode(load_recipe(QUICKSTART, ["rollout.routing=on", *moe]).rollout.routing) == "on"  # YAML: true
-    assert mode(load_recipe(QUICKSTART, ["rollout.routing='on'", *moe]).rollout.routing) == "on"
-    assert mode(load_recipe(QUICKSTART, ["rollout.routing=off"]).rollout.routing) == "off"
+    assert routing.mode(load_recipe(QUICKSTART, ["rollout.routing=on", *moe]).rollout.routing) == "on"  # YAML: true
+    assert routing.mode(load_recipe(QUICKSTART, ["rollout.routing='on'", *moe]).rollout.routing) == "on"
+    assert routing.mode(load_recipe(QUICKSTART, ["rollout.routing=off"]).rollout.routing) == "off"
 
 
 def test_parallel_layout_resolves_dp_auto_from_the_learner_gpus():
