@@ -49,6 +49,8 @@ from streamrl.pools.schema import (
     CLAIMS_TABLE,
     POOL_SCHEMA,
     POOL_TABLE,
+    add_new_columns,
+    added_columns,
     admissions_to_table,
     groups_to_table,
     table_to_groups,
@@ -113,6 +115,8 @@ class LancePool:
             raise damage.open_error(self.uri, e, (POOL_TABLE, ADMISSIONS_TABLE)) from None
         self._pool, self._adm = self._tables[POOL_TABLE], self._tables[ADMISSIONS_TABLE]
         names = set(self._pool.schema.names)
+        if added_columns(names):  # a pool from before them: add them, all null (metadata only)
+            names = add_new_columns(lambda: self._open(POOL_TABLE))
         if names != set(POOL_SCHEMA.names):
             raise PoolError(f"{self.uri}: table 'pool' has columns {sorted(names ^ set(POOL_SCHEMA.names))} "
                             "that differ from this StreamRL version's schema (pools/schema.py)")

@@ -18,12 +18,12 @@ import numpy as np
 import pyarrow as pa
 
 from streamrl.core.claims import CLAIM_COLUMNS, apply_claims
-from streamrl.pools.schema import CLAIMS_SCHEMA, POOL_SCHEMA
+from streamrl.pools.schema import CLAIMS_SCHEMA, POOL_SCHEMA, WIDE_COLUMNS
 from streamrl.pools.sql import check_where, connect
 
 _CLAIMED = set(CLAIM_COLUMNS)
 _POS = "__streamrl_pos"
-_WIDE = {f.name for f in POOL_SCHEMA if pa.types.is_list(f.type)}
+_WIDE = WIDE_COLUMNS
 TAKE_MAX_ROWS = 65536  # a filter selecting more reads in one filtered scan
 TAKE_CHUNK = 8192
 

@@ -32,6 +32,13 @@ One row per sample; group columns are repeated on each row of the group.
 | consumed_version  | int32 (null)                           | learner version at that step (staleness = consumed_version - min_version) |
 | metadata_json     | string                                 | sample metadata, JSON object |
 | group_metadata_json | string                               | group metadata, JSON object |
+| routed_experts    | large_binary (null: no routing data)   | MoE routed expert ids, [P + n - 1 positions, layers, top_k] row-major, uint8 (or uint16 little-endian when an id is > 255) |
+| routed_layers     | int16 (null: no routing data)          | layers of `routed_experts` |
+| routed_top_k      | int16 (null: no routing data)          | experts per token of `routed_experts` |
+| routed_id_bytes   | int8 (null: no routing data)           | bytes per id in `routed_experts`: 1 or 2 |
+
+The routing columns came after the first pools: a pool without them gets them, all null, when
+opened (ROUTING_COLUMNS; a metadata-only Lance change).
 
 The `admissions` table (one row per admitted prompt instance) feeds the ledger:
 group_id, prompt_id, n (int32), producer_id, version (int32), admitted_ns (int64).
@@ -54,7 +61,7 @@ one (every read through LancePool applies this), else the stored ones:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -96,8 +103,34 @@ POOL_SCHEMA = pa.schema(
         ("consumed_version", pa.int32()),
         ("metadata_json", pa.string()),
         ("group_metadata_json", pa.string()),
+        ("routed_experts", pa.large_binary()),
+        ("routed_layers", pa.int16()),
+        ("routed_top_k", pa.int16()),
+        ("routed_id_bytes", pa.int8()),
     ]
 )
+ROUTING_COLUMNS = ("routed_experts", "routed_layers", "routed_top_k", "routed_id_bytes")
+
+
+def added_columns(names: set[str]) -> list[pa.Field]:
+    """The columns a pool table with `names` lacks that came after the first pools (all nullable)."""
+    return [f for f in POOL_SCHEMA if f.name in ROUTING_COLUMNS and f.name not in names]
+
+
+def add_new_columns(open_table: Callable[[], Any], tries: int = 5) -> set[str]:
+    """Add the columns a pool table (`open_table()`: its pylance dataset, fresh) lacks, all null (a
+    metadata-only change), and return its column names. Processes opening one old pool at once
+    race: the losers' adds fail (a conflict, or the columns exist) and they look again."""
+    for attempt in range(tries):
+        ds = open_table()
+        if not (missing := added_columns(set(ds.schema.names))):
+            return set(ds.schema.names)
+        try:
+            ds.add_columns(missing)
+        except Exception:  # noqa: BLE001 - Lance raises plain errors; the next look tells
+            if attempt == tries - 1:
+                raise
+    return set(open_table().schema.names)
 
 ADMISSIONS_SCHEMA = pa.schema(
     [
@@ -124,8 +157,10 @@ CLAIMS_SCHEMA = pa.schema(
 
 POOL_TABLE, ADMISSIONS_TABLE, CLAIMS_TABLE = "pool", "admissions", "claims"  # a pool's Lance tables
 
-# Columns that are small enough to scan for bookkeeping (claims, ledger, stats).
-META_COLUMNS = [f.name for f in POOL_SCHEMA if not pa.types.is_list(f.type)]
+# Columns whose values grow with the response, and the rest: small enough to scan for bookkeeping
+# (claims, ledger, stats).
+WIDE_COLUMNS = frozenset(f.name for f in POOL_SCHEMA if pa.types.is_list(f.type) or pa.types.is_large_binary(f.type))
+META_COLUMNS = [f.name for f in POOL_SCHEMA if f.name not in WIDE_COLUMNS]
 
 _json = msgspec.json.Encoder()
 
@@ -150,6 +185,34 @@ def _lists(arrays: Sequence[np.ndarray], value_type: pa.DataType, np_dtype: type
 
 def _json_col(values: Sequence[Any]) -> pa.Array:
     return pa.array([b"{}" if not v else _json.encode(v) for v in values], pa.string())
+
+
+def routing_columns(samples: Sequence[Sample]) -> dict[str, pa.Array]:
+    """The routing columns of `samples`: ids as uint8 when every one fits, else uint16."""
+    blobs, layers, top_k, width = [], [], [], []
+    for s in samples:
+        r = s.routed_experts
+        if r is None:
+            blobs.append(None), layers.append(None), top_k.append(None), width.append(None)
+            continue
+        wide = r.size > 0 and int(r.max()) > 255
+        blobs.append(r.astype("<u2" if wide else np.uint8).tobytes())
+        layers.append(r.shape[1]), top_k.append(r.shape[2]), width.append(2 if wide else 1)
+    return {"routed_experts": pa.array(blobs, pa.large_binary()), "routed_layers": pa.array(layers, pa.int16()),
+            "routed_top_k": pa.array(top_k, pa.int16()), "routed_id_bytes": pa.array(width, pa.int8())}
+
+
+def routing_arrays(table: pa.Table) -> list[np.ndarray | None]:
+    """Each row's routed experts as int32 [positions, layers, top_k] (None: no routing data)."""
+    cols = [table[c].to_pylist() for c in ROUTING_COLUMNS]
+    out: list[np.ndarray | None] = []
+    for blob, layers, top_k, width in zip(*cols):
+        if blob is None:
+            out.append(None)
+            continue
+        ids = np.frombuffer(blob, "<u2" if width == 2 else np.uint8)
+        out.append(ids.astype(np.int32).reshape(-1, layers, top_k) if layers and top_k else np.zeros((0, 0, 0), np.int32))
+    return out
 
 
 def groups_to_table(groups: Sequence[SampleGroup], run_id: str = "") -> pa.Table:
@@ -202,6 +265,7 @@ def groups_to_table(groups: Sequence[SampleGroup], run_id: str = "") -> pa.Table
         "consumed_version": per_group([g.consumed_version for g in groups], pa.int32()),
         "metadata_json": _json_col([s.metadata for s in samples]),
         "group_metadata_json": per_group([_json.encode(g.metadata) for g in groups], pa.string()),
+        **routing_columns(samples),
     }
     return pa.Table.from_arrays(list(cols.values()), schema=POOL_SCHEMA)
 
@@ -228,6 +292,7 @@ def table_to_groups(table: pa.Table) -> list[SampleGroup]:
     mask = _np_lists(table["loss_mask"])
     lps = _np_lists(table["rollout_logprobs"])
     spans = table["version_spans"].to_pylist()
+    routed = routing_arrays(table) if "routed_experts" in table.column_names else [None] * n
     groups: dict[str, SampleGroup] = {}
     for i in range(n):
         gid = py["group_id"][i]
@@ -259,6 +324,7 @@ def table_to_groups(table: pa.Table) -> list[SampleGroup]:
                 failed=py["failed"][i],
                 error=py["error"][i],
                 metadata=msgspec.json.decode(py["metadata_json"][i] or "{}"),
+                routed_experts=routed[i],
             )
         )
     for g in groups.values():

@@ -176,6 +176,11 @@ def assert_sample_equal(got: Sample, want: Sample, where: str = "") -> None:
     assert got.failed == want.failed, f"{w}: failed"
     assert got.error == want.error, f"{w}: error"
     assert got.metadata == want.metadata, f"{w}: metadata"
+    if want.routed_experts is None:
+        assert got.routed_experts is None, f"{w}: routed_experts"
+    else:
+        assert got.routed_experts is not None and got.routed_experts.dtype == np.int32, f"{w}: routed_experts"
+        np.testing.assert_array_equal(got.routed_experts, want.routed_experts, err_msg=f"{w}: routed_experts")
 
 
 def assert_group_equal(got: SampleGroup, want: SampleGroup, *, status: str | None = None,

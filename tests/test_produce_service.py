@@ -22,16 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 import yaml
 
-from streamrl.core.types import Admission, VersionPublished, make_group_id, to_json, to_msgpack
+from streamrl.core.types import Admission, SampleGroup, VersionPublished, make_group_id, to_json, to_msgpack
+from streamrl.pools import LancePool
 from streamrl.producers.intake import Submission
 from streamrl.producers.sdk import ProducerClient, ProducerError
 from streamrl.producers.api_process import start_service_process, stop_service_process
 from streamrl.runtime.runlog import RunLog
 
-from poolkit import make_group
+from poolkit import assert_sample_equal, make_group
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -346,7 +348,7 @@ def test_idempotent_submissions_store_each_group_once(svc: Service):
 
 PRODUCER = textwrap.dedent("""
     import asyncio, sys
-    from poolkit import make_group
+    from poolkit import assert_sample_equal, make_group
     from streamrl.producers.sdk import ProducerClient
     from streamrl.core.types import make_group_id
 
@@ -569,3 +571,47 @@ def test_a_group_one_version_ahead_waits_for_the_publish_in_progress(svc: Servic
     out = run(_submit_one(svc, ahead))
     later.join()
     assert out["stored"] is True and time.monotonic() - t0 >= 0.4
+
+
+def test_routed_experts_from_producers_are_stored_or_refused_with_the_reason(tmp_path: Path):
+    """A MoE run (3 layers, top 2 of 8 experts): a group whose samples carry routed experts, as JSON
+    nested lists and as msgpack, is stored exactly; rows that miss a position, another model's
+    shape and ids past the experts are refused with the reason."""
+    run_dir = make_run(tmp_path)
+    (tmp_path / "model" / "config.json").write_text(json.dumps({
+        "vocab_size": 50_000, "max_position_embeddings": 256, "num_hidden_layers": 3, "num_experts_per_tok": 2,
+        "num_local_experts": 8}))
+    svc = Service(tmp_path)
+
+    def routed(i: int, layers: int = 3, top_k: int = 2, top: int = 8) -> SampleGroup:
+        g = group(i)
+        rng = np.random.default_rng(i)
+        for s in g.samples:
+            s.routed_experts = rng.integers(0, top, (len(g.prompt_tokens) + s.num_tokens - 1, layers, top_k), np.int32)
+        return g
+
+    try:
+        svc.make_room(6)
+        url = svc.url + "/v1/groups"
+        sent = routed(200)
+        body = to_json(Submission(lease_id=run(_lease(svc)), group=sent))
+        assert http("POST", url, token=svc.token, body=body, ctype="application/json")[0] == 200
+        packed = routed(201)
+        run(_submit_one(svc, packed))  # the SDK: msgpack
+        short = json.loads(to_json(Submission(lease_id=run(_lease(svc)), group=routed(202))))
+        short["group"]["samples"][1]["routed_experts"].pop()
+        status, out = http("POST", url, token=svc.token, body=json.dumps(short).encode(), ctype="application/json")
+        assert status == 422 and "sample 1: routed_experts has" in out["error"]["reason"], out
+        for g, why in ((routed(203, layers=2), r"samples\[0\].routed_experts has 2 layers x top 2; this run's model "
+                                                "routes 3 x top 2"),
+                       (routed(204, top=9), r"routed_experts holds expert id 8; this run's model has 8 experts")):
+            with pytest.raises(ProducerError, match=why) as e:
+                run(_submit_one(svc, g))
+            assert e.value.status == 422
+    finally:
+        svc.stop()
+    with LancePool(run_dir / "pool", create=False) as pool:
+        got = {g.group_id: g for g in pool.groups([sent.group_id, packed.group_id])}
+    for want in (sent, packed):  # the service adds the content hash to the group's metadata
+        for a, b in zip(got[want.group_id].samples, want.samples, strict=True):
+            assert_sample_equal(a, b, want.group_id)

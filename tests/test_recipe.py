@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import yaml
 
+from streamrl.core import routing
 from streamrl.plugins.rewards import exact_match
 from streamrl.recipe import (
     EnginesCfg,
@@ -466,6 +467,7 @@ def test_off_policy_auto_corrects_stale_modes(overrides, chosen):
     (["learner.off_policy=icepop", "learner.icepop_high=0.4"], "learner.icepop_high", "icepop_low must be below"),
     (["learner.off_policy=mis", "learner.seq_ratio=product"], "learner.seq_ratio", "no effect with learner.mis_level token"),
     (["learner.mini_batches=17"], "learner.mini_batches", "exceeds rollout.groups_per_step 16"),
+    (["rollout.routing=on"], "rollout.routing", "is not a mixture-of-experts model"),
     (["learner.tis_cap=0.5"], "learner.tis_cap", ">= 1.0"),
     (["learner.decoupled_cap=1"], "learner.decoupled_cap", "> 1.0"),
     (["learner.off_policy=reweight"], "learner.off_policy", "choose one of 'auto', 'none', 'tis', 'tis_seq', 'mis'"),
@@ -483,6 +485,13 @@ def test_inconsistent_learner_settings_name_the_key(overrides, key, fragment):
     msg = _error(QUICKSTART, overrides)
     assert f": {key}: " in msg and fragment in msg, msg
     assert msg.startswith("override '"), msg  # located at the override that set it
+
+
+def test_routing_on_loads_for_a_moe_model_in_either_spelling():
+    moe = ["model.init.preset=tiny-moe", "model.path=runs/no-such-model"]
+    assert routing.mode(load_recipe(QUICKSTART, ["rollout.routing=on", *moe]).rollout.routing) == "on"  # YAML: true
+    assert routing.mode(load_recipe(QUICKSTART, ["rollout.routing='on'", *moe]).rollout.routing) == "on"
+    assert routing.mode(load_recipe(QUICKSTART, ["rollout.routing=off"]).rollout.routing) == "off"
 
 
 def test_parallel_layout_resolves_dp_auto_from_the_learner_gpus():

@@ -57,6 +57,10 @@ class GenerateReqInput(_Req):
     return_hidden_states: bool = False
     return_prompt_token_ids: bool = False
     return_entropy: bool = False
+    # MoE routing replay: meta_info["routed_experts"] = base64 of int32 [tokens, layers, top_k] for
+    # positions [routed_experts_start_len, prompt + output - 1); the start must be in [0, prompt]
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     session_params: dict[str, Any] | None = None
     no_logs: bool = False
     # sglang-router 0.3.2 adds these when it re-serialises a request

@@ -16,10 +16,11 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import numpy as np
 
 from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys, bearer
-from streamrl.core import prefix_cache
+from streamrl.core import prefix_cache, routing
 from streamrl.core.types import VersionSpan
 
 STALE_PREFIX_RETRIES = 3
@@ -65,6 +66,7 @@ class MetaInfo(msgspec.Struct, kw_only=True):
     weight_versions: list[WeightSpan] | None = None
     num_retractions: int = 0
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    routed_experts: str | None = None  # base64 int32 [tokens, layers, top_k] (streamrl/core/routing.py)
 
 
 class GenerateResult(msgspec.Struct, kw_only=True):
@@ -88,6 +90,11 @@ class GenerateResult(msgspec.Struct, kw_only=True):
         if not spans:
             return [VersionSpan(int(self.meta_info.weight_version or 0), 0, n)] if n else []
         return [VersionSpan(int(s.version), s.start, s.end) for s in spans]
+
+    def routed_experts(self, layers: int, top_k: int) -> np.ndarray | None:
+        """The routed experts the engine sent (None: none), as int32 [tokens, layers, top_k]."""
+        b64 = self.meta_info.routed_experts
+        return None if b64 is None else routing.decode(b64, layers, top_k)
 
 
 _result = msgspec.json.Decoder(GenerateResult)
@@ -159,12 +166,14 @@ class SGLangClient:
                                      return_logprob, batched=False))[0]
 
     async def generate_batch(self, batch: Sequence[Sequence[int]], sampling_params: api.SamplingParams,
-                             *, rids: list[str] | None = None, return_logprob: bool = True) -> list[GenerateResult]:
+                             *, rids: list[str] | None = None, return_logprob: bool = True,
+                             routed_experts_start_len: int | None = None) -> list[GenerateResult]:
+        """`routed_experts_start_len`: ask for routed experts from this position (None: do not ask)."""
         return await self._generate([list(map(int, ids)) for ids in batch], sampling_params, rids, return_logprob,
-                                    batched=True)
+                                    batched=True, routed_start=routed_experts_start_len)
 
     async def _generate(self, batch: list[list[int]], sp: api.SamplingParams, rids: list[str] | None,
-                        return_logprob: bool, batched: bool) -> list[GenerateResult]:
+                        return_logprob: bool, batched: bool, routed_start: int | None = None) -> list[GenerateResult]:
         """/generate under the cache key of the newest version seen (streamrl/core/prefix_cache.py);
         the requests that reused a prefix older weights made go again, under a key nobody used."""
         key, todo = self.seen_version, list(range(len(batch)))
@@ -174,7 +183,9 @@ class SGLangClient:
             ids = [batch[i] for i in todo]
             req = api.GenerateReqInput(input_ids=ids if batched else ids[0], sampling_params=sp,
                                        rid=None if rids is None else [rids[i] for i in todo] if batched else rids[0],
-                                       return_logprob=return_logprob, extra_key=extra_key)
+                                       return_logprob=return_logprob, extra_key=extra_key,
+                                       return_routed_experts=routed_start is not None,
+                                       routed_experts_start_len=routed_start or 0)
             raw = await self.request("POST", "/generate", req)
             results = _results.decode(raw) if batched else [_result.decode(raw)]
             again = []

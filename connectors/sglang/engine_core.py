@@ -28,6 +28,13 @@ logits when temperature is 0, i.e. greedy); top-p/top-k shape sampling, not the 
 Prompt log-probs (`input_logprob_start`) are log_softmax of the raw logits, as SGLang's
 InputLogprobProcessor: the entry of the first requested token is None, as in SGLang.
 
+Routed experts (MoE routing replay, SGLang's `--enable-return-routed-experts`): forward hooks on
+each layer's router (`mlp.gate`) record its top-k expert ids for every position a forward
+processes, kept only for requests that ask (`routed_experts`). A request's rows are its
+positions in order as the model processed them (prefill: prompt + kept output, decode: one per
+step), so under an in-place weight update each row is what the weights of that moment routed.
+A re-prefill (retract) processes every position again and replaces them, as SGLang's capture does.
+
 Long file: the scheduler, its batch cache and the sampling rules are one state machine on one thread.
 """
 
@@ -46,6 +53,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Cache
 from transformers.cache_utils import DynamicLayer
+
+from streamrl.connectors.sglang.expert_weights import expert_views
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 IN_BATCH: KV = []  # GenRequest.kv of a request whose cache is a row of the engine's batch cache
@@ -76,6 +85,8 @@ class GenRequest:
     generator: torch.Generator | None = None
     retractions: int = 0
     error: str | None = None  # this request failed on its own (its sampling); the others go on
+    routed_experts: bool = False  # keep the router's choices for each position (module doc)
+    routing: list[torch.Tensor] | None = None  # [positions, layers, top_k] int32 pieces, in position order
 
     def record(self, token: int, logprob: float, version: str) -> None:
         n = len(self.output_ids)
@@ -92,7 +103,8 @@ class EngineCore:
 
     def __init__(self, model_dir: str | Path, max_running: int = 64, max_context: int | None = None,
                  weight_version: str = "0", seed: int = 0,
-                 decode: Callable[[list[int]], str] | None = None, device: str | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, device: str | None = None,
+                 enable_return_routed_experts: bool = True) -> None:
         self.model_dir = str(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
@@ -119,6 +131,30 @@ class EngineCore:
         self.rebatches = 0  # decode steps whose batch changed (rows dropped or joined)
         self.max_batch_seen = 0
         self.prefill_tokens = 0  # token positions run through prefill (shared rows once)
+        self.moe_layers, self.moe_top_k = cfg.num_hidden_layers, getattr(cfg, "num_experts_per_tok", None)
+        self._routes: dict[int, torch.Tensor] | None = None  # layer -> this forward's router ids, when asked
+        gates = _routers(self.model) if enable_return_routed_experts and self.moe_top_k else []
+        for li, gate in gates:
+            gate.register_forward_hook(lambda _m, _i, out, li=li: self._on_route(li, out))
+        self.captures_routing = bool(gates)
+
+    def _on_route(self, layer: int, out: Any) -> None:
+        if self._routes is not None:
+            self._routes[layer] = next(t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point())
+
+    def _start_routes(self, reqs: list[GenRequest]) -> None:
+        self._routes = {} if self.captures_routing and any(r.routed_experts for r in reqs) else None
+
+    def _take_routes(self, rows: int, cols: int) -> torch.Tensor | None:
+        """The hooks' record of the forward just run as [rows, cols, layers, top_k] int32 on the
+        CPU (a layer without a router: zeros, as SGLang's buffer); None when nobody asked."""
+        got, self._routes = self._routes, None
+        if got is None:
+            return None
+        out = torch.zeros(self.moe_layers, rows * cols, self.moe_top_k, dtype=torch.int32, device=self.device)
+        for li, ids in got.items():
+            out[li] = ids.reshape(rows * cols, -1)[:, : self.moe_top_k]
+        return out.permute(1, 0, 2).reshape(rows, cols, self.moe_layers, self.moe_top_k).cpu()
 
     # ------------------------------------------------------------ public (any thread)
 
@@ -194,15 +230,16 @@ class EngineCore:
         """Copy `state` (a subset of the model's weights) into the model; checked whole first, so
         a bad update changes nothing."""
         own = self.model.state_dict()
-        unexpected = sorted(set(state) - set(own))
+        plain, experts, unexpected = expert_views(state, own)  # per-expert HF names fill fused tensors
         if unexpected:
-            raise ValueError(f"unknown weight names: {unexpected[:5]}")
-        wrong = [f"{k}: {tuple(t.shape)} for {tuple(own[k].shape)}" for k, t in state.items() if t.shape != own[k].shape]
+            raise ValueError(f"unknown weight names: {sorted(unexpected)[:5]}")
+        targets = [*((k, own[k], t) for k, t in plain.items()), *experts]
+        wrong = [f"{k}: {tuple(t.shape)} for {tuple(dst.shape)}" for k, dst, t in targets if t.shape != dst.shape]
         if wrong:
             raise ValueError(f"shape mismatch: {'; '.join(wrong[:5])}")
         with torch.no_grad():
-            for k, t in state.items():
-                own[k].copy_(t)
+            for _, dst, t in targets:
+                dst.copy_(t)
         if version is not None:
             self.weight_version = version
 
@@ -290,17 +327,21 @@ class EngineCore:
         # logits for the last position only unless prompt log-probs are wanted: lm_head over
         # every position costs as much as the rest of a small model's prefill
         keep = 0 if any(want_input) else 1
+        self._start_routes(reqs)
         if len(seqs) == 1:  # no padding: the plain call
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep)
         else:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                              use_cache=True, logits_to_keep=keep)
         self.prefill_tokens += sum(lens)
+        routes = self._take_routes(len(seqs), lmax)
         layers = out.past_key_values.layers
         kvs = [[(layer.keys[i: i + 1, :, lmax - n:], layer.values[i: i + 1, :, lmax - n:]) for layer in layers]
                for i, n in enumerate(lens)]
         for r, i, want in zip(reqs, row_of, want_input):
             r.kv = kvs[i]
+            if routes is not None and r.routed_experts:  # every position again: replaces a retracted request's
+                r.routing = [routes[i, lmax - lens[i]:].clone()]  # a copy: a view would keep the whole batch's
             if want:
                 r.input_logprobs = _input_logprobs(out.logits[i, lmax - lens[i]:], r)
         self._sample_and_record(reqs, out.logits[:, -1, :][torch.tensor(row_of, device=self.device)])
@@ -346,6 +387,7 @@ class EngineCore:
         mask = torch.zeros(len(batch), lmax + 1, dtype=torch.long)
         for i, n in enumerate(lens):
             mask[i, lmax - n:] = 1
+        self._start_routes(batch)
         out = self.model(
             input_ids=torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device),
             attention_mask=mask.to(self.device),
@@ -354,6 +396,11 @@ class EngineCore:
             use_cache=True,
         )
         self._lens = [n + 1 for n in lens]
+        routes = self._take_routes(len(batch), 1)
+        if routes is not None:
+            for r, row in zip(batch, routes):
+                if r.routing is not None:
+                    r.routing.append(row.clone())  # a view would keep the whole step's rows alive
         self.steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
         self._sample_and_record(list(batch), out.logits[:, -1, :])
@@ -435,6 +482,22 @@ class _GrowingLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.n
+
+
+def _routers(model: Any) -> list[tuple[int, torch.nn.Module]]:
+    """(layer index, router module) of each decoder layer whose MLP routes to experts."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return [(i, layer.mlp.gate) for i, layer in enumerate(layers)
+            if isinstance(getattr(getattr(layer, "mlp", None), "gate", None), torch.nn.Module)]
+
+
+def routed_rows(r: GenRequest, start: int) -> torch.Tensor | None:
+    """SGLang's routed experts of `r`: positions [start, prompt + output - 1) (the last output
+    token was never fed through the model); None when nothing was processed or kept."""
+    if r.routing is None:
+        return None
+    rows = torch.cat(r.routing) if len(r.routing) > 1 else r.routing[0]
+    return rows[start: len(r.input_ids) + len(r.output_ids) - 1]
 
 
 def _seq_key(r: GenRequest) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ Long file: one handler per SGLang endpoint the embedded engine speaks, each chec
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from transformers import AutoTokenizer
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.ports import listen_socket, port_of
 from streamrl.connectors.sglang import api
-from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
+from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest, routed_rows
 from streamrl.connectors.sglang.weight_sync import join_group, receive
 
 _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refused, not ignored
@@ -110,7 +111,10 @@ async def _decode(request: web.Request, typ: type) -> Any:
 
 class EngineServer:
     def __init__(self, model_dir: str, max_running: int = 64, weight_version: str = "0", seed: int = 0,
-                 keys: Keys | None = None, weights_root: str | None = None, tp: int = 1) -> None:
+                 keys: Keys | None = None, weights_root: str | None = None, tp: int = 1,
+                 enable_return_routed_experts: bool = True) -> None:
+        """`enable_return_routed_experts`: SGLang's server flag; on by default here (capturing costs
+        nothing until a request asks). Off, a request that asks gets no routed experts, as in SGLang."""
         if type(tp) is not int or tp < 1:
             raise ValueError(f"tp must be an int >= 1, got {tp!r}")
         self.tp = tp  # the TP ranks this one process stands for in the weight group (it does not shard)
@@ -119,7 +123,7 @@ class EngineServer:
         self.weights_root = os.path.realpath(weights_root) if weights_root else None
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.core = EngineCore(model_dir, max_running=max_running, weight_version=weight_version, seed=seed,
-                               decode=self.tokenizer.decode)
+                               decode=self.tokenizer.decode, enable_return_routed_experts=enable_return_routed_experts)
         self.model_path = model_dir
         self._thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
         self._groups: dict[str, list[Any]] = {}  # weight-update groups by name: one per TP rank (rank_offset + tp_rank)
@@ -187,8 +191,10 @@ class EngineServer:
 
     # ------------------------------------------------------------ generation
 
-    def _make(self, ids: list[int], rid: str, sp: api.SamplingParams, logprob_start: int | None = None) -> GenRequest:
-        """`logprob_start`: SGLang's logprob_start_len when return_logprob (-1: no prompt log-probs)."""
+    def _make(self, ids: list[int], rid: str, sp: api.SamplingParams, logprob_start: int | None = None,
+              routed_start: int | None = None) -> GenRequest:
+        """`logprob_start`: SGLang's logprob_start_len when return_logprob (-1: no prompt log-probs);
+        `routed_start`: routed_experts_start_len when return_routed_experts."""
         if not ids:
             raise HTTPError(400, "input_ids is empty: send at least one token")
         if not all(type(t) is int and 0 <= t < self.core.vocab_size for t in ids):
@@ -200,6 +206,13 @@ class EngineServer:
         if logprob_start is not None and not -1 <= logprob_start <= len(ids):
             raise HTTPError(400, f"logprob_start_len={logprob_start} is outside [-1, {len(ids)}] (the number of "
                                  "input tokens): use a smaller logprob_start_len")
+        if routed_start is not None and routed_start < 0:  # SGLang 0.5.23's words (Scheduler.handle_generate_request)
+            raise HTTPError(400, f"routed_experts_start_len={routed_start} is lower than 0. "
+                                 "Please use a non-negative routed_experts_start_len.")
+        if routed_start is not None and routed_start > len(ids):
+            raise HTTPError(400, f"routed_experts_start_len={routed_start} is higher than the number of input "
+                                 f"tokens len(req.origin_input_ids)={len(ids)}. Please use a smaller "
+                                 "routed_experts_start_len.")
         stops = _stop_strs(sp)
         window = max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops), default=0) + 1
         return GenRequest(  # below SGLang's sampling epsilon a temperature means greedy, as in SGLang
@@ -209,7 +222,8 @@ class EngineServer:
             stop_token_ids=frozenset(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
             sampling_seed=sp.sampling_seed, stop_strs=tuple(stops), stop_window=window,
             # SGLang's -1 with return_logprob: from len(ids) on, i.e. none
-            input_logprob_start=None if logprob_start is None else len(ids) if logprob_start == -1 else logprob_start)
+            input_logprob_start=None if logprob_start is None else len(ids) if logprob_start == -1 else logprob_start,
+            routed_experts=routed_start is not None and self.core.captures_routing)
 
     async def _run(self, req: GenRequest) -> GenRequest:
         return (await self._run_all([req]))[0]
@@ -250,6 +264,8 @@ class EngineServer:
             meta["output_token_logprobs"] = entries(r.logprobs, r.output_ids)
             start = r.input_logprob_start if r.input_logprob_start is not None else len(r.input_ids)
             meta["input_token_logprobs"] = entries(r.input_logprobs or [], r.input_ids[start:])
+        if req.return_routed_experts and (rows := routed_rows(r, req.routed_experts_start_len)) is not None:
+            meta["routed_experts"] = base64.b64encode(rows.numpy().tobytes()).decode()  # SGLang's wire form
         out_ids = r.output_ids
         matched = (r.finish or {}).get("matched")
         if r.finish and r.finish.get("type") == "stop" and isinstance(matched, int) and not sp.no_stop_trim:
@@ -291,7 +307,8 @@ class EngineServer:
         # n > 1 as SGLang (TokenizerManager._handle_batch_request): n samples per prompt, each
         # with a fresh rid, answered as a list (prompt-major) even for one prompt
         n = sp.n
-        gens = [self._make(ids, rid if n == 1 else uuid.uuid4().hex, sp, start)
+        routed = req.routed_experts_start_len if req.return_routed_experts else None
+        gens = [self._make(ids, rid if n == 1 else uuid.uuid4().hex, sp, start, routed)
                 for ids, rid in zip(prompts, rids) for _ in range(n)]
         done = await self._run_all(gens)
         failed = [r.error for r in done if r.error]
@@ -540,7 +557,8 @@ async def _exit_on_sigterm(_: web.Application) -> None:
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_running: int = 64,
           weight_version: str = "0", seed: int = 0, threads: int = 1, cpus: list[int] | None = None,
-          idle: bool = False, sock_fd: int | None = None, weights_root: str | None = None, tp: int = 1) -> None:
+          idle: bool = False, sock_fd: int | None = None, weights_root: str | None = None, tp: int = 1,
+          enable_return_routed_experts: bool = True) -> None:
     """Serve until interrupted. `threads`: torch intra-op threads. One by default: engines share
     the CPU with the learner and other engines, and torch's default (one per core) collapses
     7-10x under such contention (benchmarks/engine_throughput.py --engine-threads).
@@ -561,7 +579,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 30000, max_runnin
     torch.set_num_threads(threads)
     logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
     server = EngineServer(model_dir, max_running=max_running, weight_version=weight_version, seed=seed,
-                          keys=Keys.from_env(), weights_root=weights_root, tp=tp)
+                          keys=Keys.from_env(), weights_root=weights_root, tp=tp,
+                          enable_return_routed_experts=enable_return_routed_experts)
     sock = socket.socket(fileno=sock_fd) if sock_fd is not None else listen_socket(host, port)
     if not port:
         print(f"embedded engine serving on http://{host}:{port_of(sock)}", flush=True)

@@ -3,6 +3,10 @@
 Token arrays are numpy arrays (int32 tokens, float32 log-probs, uint8 masks), never Python
 lists. On the wire they travel as raw bytes (msgpack ext) or, in JSON, as plain lists that
 are coerced back to the right dtype on decode, so a producer in any language can send them.
+A sample's routed experts (MoE routing replay, R3) are an int32 array [positions, layers, top_k]:
+in msgpack one ext (code 4: the shape as int32s, then the int32 ids); in JSON nested lists
+`[[[e, ...] per layer] per position]` (SGLang's base64 `meta_info["routed_experts"]` has no shape:
+reshape it to [-1, layers, top_k] before sending).
 """
 
 from __future__ import annotations
@@ -93,9 +97,32 @@ def _array(a: Any, dtype: type, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype).reshape(-1)
 
 
+MAX_EXPERT_ID = 65535  # expert ids are stored as uint8 or uint16 (pools/schema.py)
+
+
+def routing_array(a: Any, name: str) -> np.ndarray:
+    """`a` as an int32 array [positions, layers, top_k] of expert ids in [0, MAX_EXPERT_ID]; an
+    empty one of any shape is [0, 0, 0]."""
+    arr = np.asarray(a)
+    if arr.size == 0:
+        return np.zeros((0, *arr.shape[1:3]) if arr.ndim == 3 else (0, 0, 0), np.int32)
+    if arr.ndim != 3 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integer expert ids of shape [positions, layers, top_k], got "
+                         f"{arr.dtype.name if arr.dtype.kind != 'O' else 'ragged lists'} of shape {arr.shape}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > MAX_EXPERT_ID:
+        raise ValueError(f"{name} holds expert id {lo if lo < 0 else hi}; ids must be in [0, {MAX_EXPERT_ID}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
 class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One response of a group. Arrays are aligned: one entry per response token. An unknown
-    field is an error (a misspelt `loss_mask` must not train every token)."""
+    field is an error (a misspelt `loss_mask` must not train every token).
+
+    `routed_experts`: the experts each MoE layer routed each position to, int32 [P + n - 1,
+    layers, top_k] for a prompt of P tokens and n response tokens (position p's row: when p was
+    fed through the model; the last response token never is), as SGLang's R3 capture returns it;
+    None: no routing data. SampleGroup checks the row count."""
 
     index: int
     response_tokens: np.ndarray
@@ -108,8 +135,11 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     failed: bool = False
     error: str | None = None
     metadata: dict[str, Any] = {}
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if self.routed_experts is not None:
+            self.routed_experts = routing_array(self.routed_experts, f"sample {self.index}: routed_experts")
         self.response_tokens = _array(self.response_tokens, np.int32, f"sample {self.index}: response_tokens")
         self.rollout_logprobs = _array(self.rollout_logprobs, np.float32, f"sample {self.index}: rollout_logprobs")
         n = len(self.response_tokens)
@@ -132,6 +162,24 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return len(self.response_tokens)
 
 
+def check_routing(g: SampleGroup) -> None:
+    """Each sample's routed experts cover the positions the model processed: P + n - 1 rows,
+    one (layers, top_k) for the whole group."""
+    shapes = set()
+    for s in g.samples:
+        r = s.routed_experts
+        if r is None:
+            continue
+        want = len(g.prompt_tokens) + s.num_tokens - 1
+        if r.shape[0] != max(want, 0):
+            raise ValueError(f"group {g.group_id} sample {s.index}: routed_experts has {r.shape[0]} rows; it must "
+                             f"have prompt + response - 1 = {len(g.prompt_tokens)} + {s.num_tokens} - 1 = {want}")
+        if r.shape[0]:
+            shapes.add(r.shape[1:])
+    if len(shapes) > 1:
+        raise ValueError(f"group {g.group_id}: samples' routed_experts differ in (layers, top_k): {sorted(shapes)}")
+
+
 class SampleGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The n responses to one prompt: the unit of streaming, filtering and consumption."""
 
@@ -149,6 +197,7 @@ class SampleGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         self.prompt_tokens = _array(self.prompt_tokens, np.int32, "prompt_tokens")
+        check_routing(self)
 
     @property
     def min_version(self) -> int | None:
@@ -264,12 +313,17 @@ Event = Union[GroupAppended, BatchClaimed, VersionPublished, EnginePaused, Engin
               RunResumed]
 
 
-# Wire codecs. msgpack: arrays as ext (code -> dtype), zero-copy on decode.
+# Wire codecs. msgpack: arrays as ext (code -> dtype), zero-copy on decode; an int32 array of more
+# than one dimension as ext 4: ndim and the shape as int32s, then the values.
 _EXT_DTYPES = {1: np.int32, 2: np.float32, 3: np.uint8}
 _DTYPE_EXT = {np.dtype(v): k for k, v in _EXT_DTYPES.items()}
+_EXT_ND_INT32 = 4
 
 
 def _enc_msgpack(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray) and obj.ndim > 1 and obj.dtype == np.int32:
+        head = np.array([obj.ndim, *obj.shape], np.int32).tobytes()
+        return msgspec.msgpack.Ext(_EXT_ND_INT32, head + np.ascontiguousarray(obj).tobytes())
     if isinstance(obj, np.ndarray):
         code = _DTYPE_EXT.get(obj.dtype)
         if code is None:
@@ -279,6 +333,8 @@ def _enc_msgpack(obj: Any) -> Any:
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == _EXT_ND_INT32:
+        return _nd_int32(data)
     dtype = _EXT_DTYPES.get(code)
     if dtype is None:
         raise msgspec.ValidationError(f"unknown msgpack ext code {code} (1=int32, 2=float32, 3=uint8 arrays)")
@@ -286,6 +342,16 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         raise msgspec.ValidationError(f"a msgpack ext {code} array ({np.dtype(dtype).name}) has {len(data)} bytes, "
                                       f"not a multiple of {np.dtype(dtype).itemsize}")
     return np.frombuffer(data, dtype=dtype)
+
+
+def _nd_int32(data: memoryview) -> np.ndarray:
+    words = np.frombuffer(data, np.int32) if len(data) % 4 == 0 else np.empty(0, np.int32)
+    ndim = int(words[0]) if len(words) else 0
+    shape = tuple(int(x) for x in words[1: 1 + ndim])
+    if not 1 <= ndim < len(words) or min(shape, default=0) < 0 or math.prod(shape) != len(words) - 1 - ndim:
+        raise msgspec.ValidationError(f"a msgpack ext {_EXT_ND_INT32} array (int32 with its shape) of {len(data)} "
+                                      "bytes does not match its shape header")
+    return words[1 + ndim:].reshape(shape)
 
 
 def _dec_array(typ: type, obj: Any) -> Any:

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from streamrl.core import staleness
+from streamrl.core import routing, staleness
 from streamrl.core.staleness import capacity_shares, claimed_per_step
 from streamrl.core.types import from_json, from_msgpack
 from streamrl.pools import open_pool
@@ -74,12 +74,12 @@ def read_token(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def model_limits(recipe: Recipe) -> tuple[int, int]:
-    """(vocab_size, max_position_embeddings) of the run's model."""
+def model_limits(recipe: Recipe) -> tuple[int, int, tuple[int, int, int]]:
+    """(vocab_size, max_position_embeddings, (layers, experts per token, experts)) of the run's model."""
     cfg = Path(recipe.model.path) / "config.json"
     try:
         c = json.loads(cfg.read_text())
-        return int(c["vocab_size"]), int(c["max_position_embeddings"])
+        return int(c["vocab_size"]), int(c["max_position_embeddings"]), routing.experts_of(c)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ServiceError(f"cannot read vocab_size and max_position_embeddings from {cfg} ({type(e).__name__}: "
                            f"{e}); the service checks token ids and lengths against the model (paths in the "
@@ -119,7 +119,7 @@ class ProducerService:
     def __init__(self, run_dir: Path, recipe: Recipe, quiet: bool = False) -> None:
         self.dir, self.r, self.quiet, api = run_dir, recipe, quiet, recipe.producer_api
         self.token = read_token(run_dir).encode()
-        self.vocab_size, self.max_tokens = model_limits(recipe)
+        self.vocab_size, self.max_tokens, self.experts = model_limits(recipe)
         self.max_staleness, self.gps, self.n = recipe.max_staleness, recipe.rollout.groups_per_step, recipe.rollout.n_samples
         self.per_step = claimed_per_step(self.gps, recipe.rollout.over_sampling)  # what capacity grows by per version
         self.shares, self.share_index = capacity_shares(recipe.rollout.workers, True), recipe.rollout.workers
@@ -342,7 +342,7 @@ class ProducerService:
         producer_id = readmit or lease.producer_id  # type: ignore[union-attr]
         await self._await_publish(g.max_version)
         reason = intake.check_group(g, producer_id=producer_id, n_samples=self.n, vocab_size=self.vocab_size,
-                                    max_tokens=self.max_tokens, published_version=self.version)
+                                    max_tokens=self.max_tokens, published_version=self.version, experts=self.experts)
         if reason is not None:
             raise Refused(422, "rejected", f"group {g.group_id}: {reason}")
         g.producer_id, g.created_at = producer_id, 0  # the pool stamps the time: claims go oldest-first

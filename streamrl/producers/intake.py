@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from streamrl.core import staleness
+from streamrl.core import routing
 from streamrl.core.types import SampleGroup, number_problem, to_msgpack
 
 PRODUCER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -83,10 +84,12 @@ def metadata_problem(group: SampleGroup) -> str | None:
 
 
 def check_group(group: SampleGroup, *, producer_id: str, n_samples: int | None, vocab_size: int | None,
-                max_tokens: int | None, published_version: int | None) -> str | None:
+                max_tokens: int | None, published_version: int | None,
+                experts: tuple[int, int, int] | None = None) -> str | None:
     """Why a decoded group is refused, or None when the run can train on it. A None limit is not
-    checked (DirectProducer without a model config or a version). Lengths, masks and span tiling
-    were already checked when the group was decoded (streamrl.core.types)."""
+    checked (DirectProducer without a model config or a version). Lengths, masks, span tiling and
+    routed experts' row counts were already checked when the group was decoded (streamrl.core.types);
+    `experts` (layers, top_k, experts of the model: streamrl.core.routing.experts_of) checks their shape and ids."""
     if (why := metadata_problem(group)) is not None:
         return why
     if not group.group_id.startswith(f"{producer_id}:"):
@@ -116,6 +119,9 @@ def check_group(group: SampleGroup, *, producer_id: str, n_samples: int | None, 
         if max_tokens is not None and total > max_tokens:
             return (f"{where}: {len(group.prompt_tokens)} prompt + {s.num_tokens} response tokens = {total} exceed "
                     f"the model's max_position_embeddings={max_tokens}")
+        if experts is not None and s.routed_experts is not None and (
+                why := routing.shape_problem(s.routed_experts, experts)):
+            return f"{where}.routed_experts {why}"
         if any(sp.version < 0 for sp in s.spans):
             return f"{where}.spans has a negative version {min(sp.version for sp in s.spans)}; versions are >= 0"
         if s.failed:

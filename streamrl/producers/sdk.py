@@ -31,7 +31,10 @@ Over HTTP (the run's `streamrl produce serve`, started with `producer_api.enable
 Rules a group must follow (streamrl.producers.intake.check_group): its id starts with "<producer_id>:", status
 "complete", exactly rollout.n_samples samples indexed 0..n-1, token ids below the model's vocabulary,
 prompt+response within max_position_embeddings, each sample not `failed` has >= 1 response token, a
-finite reward and version spans, and no span's version is newer than the run has published. A
+finite reward and version spans, and no span's version is newer than the run has published. On a MoE
+model a sample may carry `routed_experts` (routing replay): int32 [P + n - 1, layers, top_k] expert ids
+(the engine's meta_info["routed_experts"] decoded: streamrl.core.routing.decode; over JSON, nested lists),
+checked against the model's layers, top_k and number of experts. A
 refused group raises ProducerError with the service's reason. `lease.version` is the version the
 learner had when the lease was granted; `status()["router_url"]` is the run's sglang-router, which
 serves the current policy and needs `status()["router_api_key"]` (`SGLangClient(url,
@@ -197,10 +200,14 @@ class DirectProducer:
     ids it stored)."""
 
     def __init__(self, pool_uri: str | Path, producer_id: str, n_samples: int | None = None,
-                 vocab_size: int | None = None, max_tokens: int | None = None) -> None:
+                 vocab_size: int | None = None, max_tokens: int | None = None,
+                 experts: tuple[int, int, int] | None = None) -> None:
+        """`experts`: (layers, experts per token, experts) of the model (streamrl.core.routing.experts_of),
+        to check submitted routed experts against; None: not checked."""
         if (problem := intake.producer_id_problem(producer_id)) is not None:
             raise ValueError(problem)
         self.producer_id, self.n_samples, self.vocab_size, self.max_tokens = producer_id, n_samples, vocab_size, max_tokens
+        self.experts = experts
         self.pool = open_pool(pool_uri, create=True, compact_every=0)
         self._known = {g: st for g, (st, _) in self.pool.producer_groups(producer_id).items()}
 
@@ -211,7 +218,7 @@ class DirectProducer:
         for g in groups:
             reason = intake.check_group(g, producer_id=self.producer_id, n_samples=self.n_samples,
                                         vocab_size=self.vocab_size, max_tokens=self.max_tokens,
-                                        published_version=version)
+                                        published_version=version, experts=self.experts)
             if reason is not None:
                 raise ValueError(f"group {g.group_id}: {reason}")
             g.producer_id = self.producer_id

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.connectors.megatron.model_kit import PRESETS
-from streamrl.core import corrections
+from streamrl.core import corrections, routing
 from streamrl.recipe.schema import Recipe, learner_layout
 
 def _every_interface(host: str) -> bool:
@@ -35,6 +35,9 @@ def conflicts(r: Recipe) -> list[tuple[str, str]]:
                                             "the other modes generate each batch with the rollout workers"))
     out += _learner_conflicts(r)
     out += _engine_conflicts(r)
+    if routing.mode(r.rollout.routing) == "on" and (shape := _model_shape(r)) is not None and not routing.is_moe(shape):
+        out.append(("rollout.routing", f"is on but {r.model.path} is not a mixture-of-experts model (its config has "
+                                       "no num_experts_per_tok): there is no routing to record; use auto or off"))
     for key, host in (("engines.host", r.engines.host), ("producer_api.host", r.producer_api.host)):
         if _every_interface(host):
             out.append((key, f"is {host!r}, every interface of the machine; give the one address to listen on "

@@ -158,6 +158,11 @@ class RolloutCfg(_Cfg):
     # (slime's over-sampling filter); the rest are dropped
     over_sampling: Annotated[float, msgspec.Meta(ge=1)] = 1.0
     workers: NonNegInt = 1  # rollout worker actors; 0 = only external producers (producer_api) feed the run
+    # MoE routing replay (R3): ask the engines which experts each token was routed to and store it with the
+    # sample (the learner replays it). auto = on when the model's config.json names experts
+    # (num_experts_per_tok); on: a response that comes back without routing fails its sample. YAML reads
+    # unquoted on/off as true/false: both spellings work
+    routing: Literal["auto", "on", "off"] | bool = "auto"
 
 
 class StalenessCfg(_Cfg):

@@ -20,8 +20,10 @@ Long file: one worker's generation loop (admission, partial rollouts, rewards, f
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -29,7 +31,7 @@ import msgspec
 from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.sglang.client import ENGINE_FAILURES, SGLangClient, retryable
-from streamrl.core import partial, staleness
+from streamrl.core import partial, routing, staleness
 from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_group_id
 from streamrl.plugins.data import PromptRecord, PromptSource
 from streamrl.pools import open_pool
@@ -85,6 +87,7 @@ class RolloutWorker:
                                  lambda ids: decode_response(self.tokenizer, ids), self.tokenizer)
         ro = recipe.rollout
         self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
+        self.routing = model_routing(recipe)  # (layers, top_k) when responses carry routed experts
         self.version = version
         self.max_staleness = recipe.staleness.max_staleness
         self.per_step = staleness.claimed_per_step(ro.groups_per_step, ro.over_sampling)
@@ -348,9 +351,12 @@ class RolloutWorker:
                 if not t.done:
                     by_budget.setdefault(t.remaining, []).append(i)
             # No rids: sglang-router 0.3.2 refuses a list of them (422), and we abort by pausing, not by rid.
+            # one remaining budget = as many tokens kept = one routed_experts_start_len for the whole call
             calls = [self.client.generate_batch(
                 [partial.next_request(trajs[i])[0] for i in idx],
-                api.SamplingParams(**self.sampling, max_new_tokens=budget)) for budget, idx in by_budget.items()]
+                api.SamplingParams(**self.sampling, max_new_tokens=budget),
+                routed_experts_start_len=partial.routed_start(trajs[idx[0]]) if self.routing else None)
+                for budget, idx in by_budget.items()]
             aborted = failed = refused = False
             for idx, res in zip(by_budget.values(), await asyncio.gather(*calls, return_exceptions=True)):
                 if isinstance(res, ENGINE_FAILURES):
@@ -364,7 +370,11 @@ class RolloutWorker:
                 for i, r in zip(idx, res):
                     self.stats["gen_tokens"] += len(r.output_ids)
                     before = trajs[i].discarded
-                    partial.absorb(trajs[i], r.output_ids, r.logprobs, r.version_spans(), r.finish_type, self.policy)
+                    routed = r.routed_experts(*self.routing) if self.routing else None
+                    partial.absorb(trajs[i], r.output_ids, r.logprobs, r.version_spans(), r.finish_type, self.policy,
+                                   routed_experts=routed)
+                    if self.routing and routed is None and r.output_ids:
+                        self._no_routing(trajs[i])
                     self.stats["discarded_tokens"] += trajs[i].discarded - before
                     if r.finish_type == "abort":
                         aborted = True
@@ -382,6 +392,18 @@ class RolloutWorker:
                 await asyncio.sleep(min(5.0, 0.2 * failures))
             else:
                 failures = 0
+
+    def _no_routing(self, t: partial.Trajectory) -> None:
+        """A response came back without the routed experts it asked for: with `rollout.routing: on`
+        its sample fails (the learner must not train it without them), with `auto` it is stored
+        without routing."""
+        self.stats["routing_missing"] += 1
+        why = ("the engine sent no routed experts (SGLang needs --enable-return-routed-experts; sglang-router "
+               "0.3.2 drops return_routed_experts from the /generate bodies it forwards)")
+        if routing.mode(self.r.rollout.routing) == "on":
+            t.error = f"rollout.routing is on but {why}"
+        elif self.stats["routing_missing"] == 1:
+            log.warning("%s: %s; such samples are stored without routing", self.producer_id, why)
 
     async def _save_partial(self, gid: str, prompt_id: str, meta: dict[str, Any], trajs: list[partial.Trajectory],
                             state: dict[str, Any]) -> None:
@@ -424,6 +446,19 @@ class RolloutWorker:
                 self._failed_in_a_row += 1
                 self._last_failure = error
         return group
+
+
+def model_routing(recipe: Recipe) -> tuple[int, int] | None:
+    """(layers, experts per token) of the recipe's model when rollouts ask for routed experts
+    (`rollout.routing`), else None."""
+    path = Path(recipe.model.path) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if not routing.wanted(recipe.rollout.routing, config):
+        return None
+    if not (config.get("num_hidden_layers") and config.get("num_experts_per_tok")):
+        raise ValueError(f"rollout.routing is on but {path} has no num_hidden_layers and num_experts_per_tok: "
+                         "routed experts need a mixture-of-experts model")
+    return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
 
 
 def env_hub(recipe: Recipe, router_url: str | None = None, tokenizer: Any = None, evaluation: bool = False) -> Any:

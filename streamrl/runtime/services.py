@@ -34,11 +34,13 @@ from streamrl.runtime.broadcast import VersionBroadcaster
 from streamrl.runtime.inputs import eval_records, prepare_inputs, sft_rows
 from streamrl.runtime.learner_group import LearnerGroup
 from streamrl.runtime.resume import Resumed, restore
-from streamrl.runtime.rollout import worker_actor
+from streamrl.runtime.rollout import model_routing, worker_actor
 from streamrl.runtime.runlog import RunLog, now_ns
 from streamrl.runtime.user_code import runtime_env
 from streamrl.runtime.workers import Crew
 from streamrl.tools.loggers import LoggerUnavailable, open_loggers
+
+ROUTED_FLAG = "--enable-return-routed-experts"  # SGLang 0.5.23 server flag for rollout.routing
 
 
 class Services:
@@ -119,8 +121,11 @@ class Services:
         kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed,
                   "weights_root": str((self.dir / "weights").resolve()),  # the only weights an engine may load
                   **({"cpus": r.engines.cpus} if r.engines.cpus else {})} if r.engines.backend == "embedded" else None
+        extra = list(r.engines.extra_args)
+        if r.engines.backend == "sglang" and model_routing(r) and ROUTED_FLAG not in extra:
+            extra.append(ROUTED_FLAG)  # SGLang captures routed experts only with it (the embedded engine always can)
         self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
-                                      log_dir=self.dir / "logs", extra_args=r.engines.extra_args, tp=r.engines.tp,
+                                      log_dir=self.dir / "logs", extra_args=extra, tp=r.engines.tp,
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
                                       host=NODE if node else r.engines.host, num_cpus=placement.ENGINE_CPUS,
                                       placement_group=self.engines_pg, python=r.engines.python)

@@ -25,6 +25,7 @@ from streamrl.connectors.ports import is_loopback, is_wildcard
 from streamrl.connectors.sglang.engine_process import serve_embedded
 from streamrl.pools import PoolError, open_pool
 from streamrl.pools import queries as pi
+from streamrl.pools.experts import expert_stats
 from streamrl.pools.export import export
 from streamrl.pools.sql import QueryError
 from streamrl.producers import api_process
@@ -229,6 +230,15 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     fmt = q.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
     fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
+    xp = ps.add_parser("experts", help="MoE routing: how often each expert was chosen, per policy version and layer",
+                       description="Count the routed experts the pool stores (rollout.routing) per policy version, "
+                                   "layer and expert: `chosen` times and `share` of that version and layer's choices. "
+                                   "A position counts under the version that generated the token after it.")
+    xp.add_argument("run_dir")
+    xp.add_argument("--where", help="SQL filter on sample rows, e.g. \"status = 'consumed'\"")
+    xfmt = xp.add_mutually_exclusive_group()
+    xfmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
+    xfmt.add_argument("--csv", action="store_true", help="CSV with a header row")
     sh = ps.add_parser("show", help="one group: decoded text, versions, rewards")
     sh.add_argument("run_dir")
     sh.add_argument("group_id")
@@ -423,6 +433,13 @@ def _pool_cmd(args: argparse.Namespace) -> int:
             raise UsageError(f"query failed: {e} (columns: see pools/schema.py)") from None
         _print_table(table, "json" if args.json else "csv" if args.csv else "text")
         return 0
+    if args.pool_cmd == "experts":
+        try:
+            table = expert_stats(pool, args.where)
+        except ValueError as e:
+            raise UsageError(f"experts failed: {str(e).splitlines()[0]}") from None
+        _print_table(table, "json" if args.json else "csv" if args.csv else "text")
+        return 0
     if args.pool_cmd == "show":
         groups = pool.groups([args.group_id])
         if not groups:
@@ -519,6 +536,8 @@ def _print_group(g: Any, tok: Any) -> None:
         err = f"  FAILED: {_plain(s.error)}" if s.failed else ""
         masked = int((s.loss_mask == 0).sum())
         note = f" masked={masked} (shown in [[...]])" if masked else ""
+        if s.routed_experts is not None:  # positions x layers x top_k (streamrl pool experts counts them)
+            note += f" routed_experts={'x'.join(map(str, s.routed_experts.shape))}"
         print(f"  [{s.index}] reward={s.reward} finish={s.finish_reason or '-'} tokens={s.num_tokens} "
               f"spans={spans}{note}{err}")
         print(f"      {_masked_text(s, text)!r}")
