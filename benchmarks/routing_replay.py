@@ -68,7 +68,9 @@ def main() -> None:
     over = [*a.overrides, f"staleness.max_staleness={a.max_staleness}"] + (["sft.steps=50"] if a.quick else [])
     base = load_recipe(a.recipe, over)
     steps, repeats = (3, 1) if a.quick else (a.steps, a.repeats)
-    work, model, sft_s = shared_start(base, "routing-replay-")
+    # the SFT warm start runs in this process: one rank (its weights do not depend on the layout)
+    one_rank = msgspec.structs.replace(base.learner, parallel=msgspec.structs.replace(base.learner.parallel, dp=1, ep=1))
+    work, model, sft_s = shared_start(msgspec.structs.replace(base, learner=one_rank), "routing-replay-")
     runs: dict[str, list[dict[str, Any]]] = {"replay": [], "no_replay": []}
     for i in range(repeats):
         for label, replay in (("replay", True), ("no_replay", False)):

@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.connectors.megatron import sharded as ms
+from streamrl.connectors.sglang.expert_weights import expert_views, fused_name
 
 T = TypeVar("T")
 
@@ -566,15 +567,20 @@ def export_hf(learner: Any, base_model_dir: str | Path, out_dir: str | Path) -> 
     cfg = AutoConfig.from_pretrained(str(base))
     dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    expected = set(model.state_dict())
+    own = model.state_dict()
+    # MoE: the learner's per-expert names (the HF files') fill transformers' fused expert tensors
+    plain, views, unexpected = expert_views(sd, own)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    unexpected = sorted(set(sd) - expected)
-    missing = sorted(expected - set(sd) - ({"lm_head.weight"} if tied else set()))
+    filled = set(plain) | {fused_name(name) for name, _, _ in views}
+    missing = sorted(set(own) - filled - ({"lm_head.weight"} if tied else set()))
     if unexpected or missing:
         raise ValueError(f"learner weights do not match {type(model).__name__} from {base}: "
                          f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
-    model.load_state_dict(sd, strict=False)
+    model.load_state_dict(plain, strict=False)
+    with torch.no_grad():
+        for _, view, t in views:
+            view.copy_(t)
     if tied:
         model.tie_weights()
         emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight

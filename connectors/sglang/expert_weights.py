@@ -16,6 +16,12 @@ import torch
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
+def fused_name(name: str) -> str | None:
+    """The fused tensor a per-expert weight name fills (None for any other name)."""
+    m = _PER_EXPERT.match(name)
+    return None if m is None else f"{m['experts']}.{'down_proj' if m['proj'] == 'down_proj' else 'gate_up_proj'}"
+
+
 def expert_views(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> tuple[
         dict[str, torch.Tensor], list[tuple[str, torch.Tensor, torch.Tensor]], list[str]]:
     """Split `state` into (names the model has as they are, [(per-expert name, the view of the
@@ -29,7 +35,7 @@ def expert_views(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -
             (plain.__setitem__(name, t) if name in own else unknown.append(name))
             continue
         e, proj = int(m["e"]), m["proj"]
-        fused = own.get(f"{m['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+        fused = own.get(fused_name(name))  # type: ignore[arg-type]
         if fused is None or fused.dim() != 3 or e >= fused.shape[0]:
             unknown.append(name)
             continue

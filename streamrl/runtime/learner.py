@@ -54,7 +54,7 @@ def learner_rows(groups: list[SampleGroup], advantage: Choice) -> tuple[list[Sam
         for s, adv in zip(grp, a):
             rows.append(Sample(prompt=prompt, response=s.response_tokens.tolist(), advantage=float(adv),
                                rollout_logprobs=s.rollout_logprobs.tolist(), group=gi,
-                               loss_mask=s.loss_mask.tolist(), routed_experts=getattr(s, "routed_experts", None)))
+                               loss_mask=s.loss_mask.tolist(), routed_experts=s.routed_experts))
     return rows, [r for grp in rewards for r in grp]
 
 

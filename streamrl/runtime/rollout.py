@@ -60,7 +60,8 @@ def decode_response(tokenizer: Any, tokens: list[int]) -> str:
 
 class RolloutWorker:
     def __init__(self, recipe: Recipe, router_url: str, index: int = 0, num_workers: int = 1,
-                 version: int = 0, data_state: dict | None = None, api_key: str | None = None) -> None:
+                 version: int = 0, data_state: dict | None = None, api_key: str | None = None,
+                 engine_urls: list[str] | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.r, self.index, self.num_workers = recipe, index, num_workers
@@ -88,6 +89,13 @@ class RolloutWorker:
         ro = recipe.rollout
         self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
         self.routing = model_routing(recipe)  # (layers, top_k) when responses carry routed experts
+        # sglang-router 0.3.2 drops return_routed_experts from what it forwards (docs/engines.md), so
+        # routed calls go to the engines themselves, round robin as the router would, and a call
+        # whose engine fails goes through the router next time (without routing: counted)
+        self.direct = [SGLangClient(u, connect_retries=2, keys=Keys(api=api_key)) for u in engine_urls or []] \
+            if self.routing else []
+        self._next_engine = index  # workers start on different engines
+        self._direct_failed = False
         self.version = version
         self.max_staleness = recipe.staleness.max_staleness
         self.per_step = staleness.claimed_per_step(ro.groups_per_step, ro.over_sampling)
@@ -161,6 +169,8 @@ class RolloutWorker:
         if isinstance(self.env, SlimeGenerateHub):
             await self.env.close()
         await self.client.close()
+        for c in self.direct:
+            await c.close()
         self.pool.close()
 
     # ------------------------------------------------------------ drivers
@@ -352,7 +362,7 @@ class RolloutWorker:
                     by_budget.setdefault(t.remaining, []).append(i)
             # No rids: sglang-router 0.3.2 refuses a list of them (422), and we abort by pausing, not by rid.
             # one remaining budget = as many tokens kept = one routed_experts_start_len for the whole call
-            calls = [self.client.generate_batch(
+            calls = [self._generation_client().generate_batch(
                 [partial.next_request(trajs[i])[0] for i in idx],
                 api.SamplingParams(**self.sampling, max_new_tokens=budget),
                 routed_experts_start_len=partial.routed_start(trajs[idx[0]]) if self.routing else None)
@@ -362,6 +372,7 @@ class RolloutWorker:
                 if isinstance(res, ENGINE_FAILURES):
                     # Nothing came back from this call (e.g. its engine died): resubmit from what we have.
                     failed, error = True, f"{type(res).__name__}: {res}"
+                    self._direct_failed = bool(self.direct)
                     refused = refused or not retryable(res)  # a 4xx: the same request fails again
                     self.stats["engine_errors"] += 1
                     continue
@@ -392,6 +403,14 @@ class RolloutWorker:
                 await asyncio.sleep(min(5.0, 0.2 * failures))
             else:
                 failures = 0
+
+    def _generation_client(self) -> SGLangClient:
+        """The router, or with routing an engine in turn (until an engine fails: the router for one call)."""
+        if not self.direct or self._direct_failed:
+            self._direct_failed = False
+            return self.client
+        self._next_engine += 1
+        return self.direct[self._next_engine % len(self.direct)]
 
     def _no_routing(self, t: partial.Trajectory) -> None:
         """A response came back without the routed experts it asked for: with `rollout.routing: on`
@@ -482,10 +501,10 @@ class _ActorWorker:
     """Ray wrapper: builds the worker inside the actor's event loop."""
 
     def __init__(self, recipe_json: bytes, router_url: str, index: int, num_workers: int, version: int,
-                 data_state: dict | None, api_key: str | None = None) -> None:
+                 data_state: dict | None, api_key: str | None = None, engine_urls: list[str] | None = None) -> None:
         logging.basicConfig(level=logging.WARNING)
         self._args = (msgspec.json.decode(recipe_json, type=Recipe), router_url, index, num_workers, version,
-                      data_state, api_key)
+                      data_state, api_key, engine_urls)
         self.w: RolloutWorker | None = None
 
     async def _worker(self) -> RolloutWorker:

@@ -144,7 +144,8 @@ class Services:
             self.resumed = await restore(self.learner, self.dir, self.log, r.max_staleness)
             if self.resumed.redone:  # another stop need not train these steps a third time
                 await self.checkpoint(self.resumed.data_states)
-        self.log.info(f"engines at {', '.join(await engines_up)} (behind the router)")
+        engine_urls = await engines_up
+        self.log.info(f"engines at {', '.join(engine_urls)} (behind the router)")
         if bg_up is not None:
             await bg_up
         version = self.resumed.version
@@ -159,7 +160,7 @@ class Services:
 
         def spawn(i: int, version: int, state: dict[str, Any] | None) -> Any:  # worker i, in bundle i
             return worker_actor(placement.WORKER_CPUS).options(**placement.on(self.workers_pg, i)).remote(
-                recipe_json, self.router.url, i, n, version, state, self.keys.api)
+                recipe_json, self.router.url, i, n, version, state, self.keys.api, engine_urls)
 
         self.crew = Crew(spawn, states, version, r.max_staleness, self.log)
         await self.crew.start()
