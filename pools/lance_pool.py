@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from streamrl.core.ledger import compute_ledger
 from streamrl.core.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup
-from streamrl.pools import compaction, damage, reads
+from streamrl.pools import asof, compaction, damage, reads
 from streamrl.pools.errors import NoPool, PoolError
 from streamrl.pools.claimer import Claimer, Select
 from streamrl.pools.committer import Committer, Item, retry_conflicts
@@ -77,11 +77,13 @@ class LancePool:
         compact_every: int = 64,
         storage_options: dict[str, str] | None = None,
         write_ahead: bool = False,
+        keep_versions: int = 1000,
     ) -> None:
         """`storage_options`: object-store settings (credentials, endpoint) for a URI such as
         s3://bucket/run/pool, passed to LanceDB and to every pylance dataset. `write_ahead`:
         writes return once in this process's write-ahead log rather than once committed (local
-        directories only: an object store has no file locks)."""
+        directories only: an object store has no file locks). `keep_versions`: the compaction
+        removes all but the newest this many versions of each table, and tagged ones (0: none)."""
         self.uri = str(uri)
         if write_ahead and "://" in self.uri:
             raise PoolError(f"pool.write_ahead needs a pool in a local directory, not {self.uri}: the log's "
@@ -89,6 +91,7 @@ class LancePool:
         self._storage_options = dict(storage_options or {})
         self.run_id = run_id
         self.compact_every = compact_every
+        self.keep_versions = keep_versions
         self._compacting: threading.Thread | None = None
         if "://" not in self.uri and not create and not Path(self.uri).is_dir():
             raise NoPool(f"no experience pool at {self.uri}: the directory does not exist "
@@ -349,9 +352,44 @@ class LancePool:
                 "broken": 0 if r is None else len(r.broken), "incremental": c.stable, "stale_dropped": c.stale_dropped}
 
     def compact(self) -> None:
-        """Compact every table (pools/compaction.py)."""
+        """Compact every table (pools/compaction.py), then clean up versions by `keep_versions`."""
         for name in self._uris:
-            compaction.compact_table(self._open, name)
+            compaction.compact_table(self._open, name, self.keep_versions)
+
+    def cleanup(self, keep_versions: int | None = None, min_age: timedelta = asof.MIN_AGE) -> None:
+        """Remove old versions of every table but tagged ones and the newest `keep_versions`
+        (default: this pool's), and those younger than `min_age` (a reader may be scanning one)."""
+        for name in self._uris:
+            asof.cleanup(self._open(name), self.keep_versions if keep_versions is None else keep_versions, min_age)
+
+    # ------------------------------------------------------------ time travel
+
+    def as_of(self, step: int | None = None, version: int | str | None = None) -> asof.PoolView:
+        """This pool as it was when learner `step` claimed its batch, or at pool-table `version`
+        (a number, or a tag such as checkpoint-v000010): pools/asof.py. PoolError when it cannot be."""
+        return asof.view(self, step=step, version=version, keep_versions=self.keep_versions)
+
+    def versions(self) -> dict[str, int]:
+        """{table: its latest version}."""
+        self._committer.sync()
+        return {name: self._open(name).version for name in self._uris}
+
+    def tag_checkpoint(self, policy_version: int) -> dict[str, int]:
+        """Tag checkpoint-v<policy_version> in every table: the pool and admissions versions the last
+        claim read, the claims table's latest, so cleanups keep them. Returns {table: version}."""
+        self._committer.sync()
+        read = self._claimer.read_versions or (self._open(POOL_TABLE).version, self._open(ADMISSIONS_TABLE).version)
+        versions = dict(zip((POOL_TABLE, ADMISSIONS_TABLE), read))
+        if CLAIMS_TABLE in self._uris:
+            versions[CLAIMS_TABLE] = self._open(CLAIMS_TABLE).version
+        for table, v in versions.items():
+            asof.tag(self._open(table), asof.CHECKPOINT_TAG.format(version=policy_version), v)
+        return versions
+
+    def untag_checkpoints(self, kept: set[int]) -> list[str]:
+        """Delete the checkpoint tags of policy versions not in `kept` (checkpoints pruned since)."""
+        names = {asof.CHECKPOINT_TAG.format(version=v) for v in kept}
+        return [t for table in self._uris for t in asof.untag_missing(self._open(table), names.__contains__)]
 
     def fragments(self, table: str = POOL_TABLE) -> int:
         return len(self._open(table).get_fragments()) if table in self._uris else 0

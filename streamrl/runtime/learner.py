@@ -335,8 +335,12 @@ class LearnerDriver(WeightSource):
             # driver logs them, and resume starts after this step (Services._restore writes them back).
             extra = {**extra, "step": step, "step_metrics": self.last_metrics,
                      "nonfinite_skipped_total": self.learner.nonfinite_skipped}
+            if self.pool is not None:  # the pool as this step read it stays readable while the checkpoint exists
+                extra["pool_versions"] = self.pool.tag_checkpoint(self.version)
             path = megatron_checkpoint.save_checkpoint(self.learner, root, extra=extra,
                                    keep_last=self.r.run.keep_checkpoints or None)
+            if self.pool is not None and self.r.run.keep_checkpoints:  # pruned checkpoints free their versions
+                self.pool.untag_checkpoints({v for v, _ in megatron_checkpoint.list_checkpoints(root)})
             return {"path": str(path), "step": step, "version": self.version}
 
     def close(self) -> None:

@@ -50,6 +50,8 @@ EPILOG = """examples:
   streamrl produce serve runs/quickstart                     # external producers submit groups over HTTP
   streamrl pool stats runs/quickstart --json
   streamrl pool query runs/quickstart "SELECT status, count(*) FROM pool GROUP BY 1"
+  streamrl pool query runs/quickstart --as-of-step 40 "SELECT count(*) FROM pool WHERE consumed_step = 40"
+  streamrl view runs/quickstart                              # browse the run and its samples (127.0.0.1, token URL)
   streamrl pool show runs/quickstart <GROUP_ID>
   streamrl pool export runs/quickstart out.parquet --where "status = 'consumed'"
   streamrl pool export runs/quickstart pairs --kind dpo --format hf   # DPO pairs: datasets.load_dataset("pairs")
@@ -219,6 +221,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
                                    "document described in docs/pool.md; `ledger.lost` and `ledger.duplicated` must be 0.")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    _as_of_args(st)
     q = ps.add_parser("query", help="DuckDB SQL over the pool (tables `pool`, `admissions`, `claims`)",
                       description="Run one SELECT over the pool, read-only (no COPY, ATTACH, INSTALL, LOAD or file "
                                   "functions). Only the columns the query names are read, so avoid "
@@ -228,10 +231,12 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     fmt = q.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
     fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
+    _as_of_args(q)
     sh = ps.add_parser("show", help="one group: decoded text, versions, rewards")
     sh.add_argument("run_dir")
     sh.add_argument("group_id")
     sh.add_argument("--tokenizer", help="tokenizer.json or model dir (default: the one recorded in the pool)")
+    _as_of_args(sh)
     ex = ps.add_parser(
         "export", help="write selected samples for SFT, rejection sampling, DPO or sharing (parquet, jsonl, hf)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -267,6 +272,18 @@ examples:
                                         "run recorded)")
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _as_of_args(p: argparse.ArgumentParser) -> None:
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--as-of-step", type=int, metavar="N",
+                      help="read the pool as learner step N read it when it claimed its batch: the pool table at "
+                           "the version that claim read, with the claims of steps 0..N (so consumed_step = N "
+                           "selects exactly what step N trained on); works after later appends and compactions "
+                           "while that version is kept (pool.keep_versions, checkpoint tags: docs/pool.md)")
+    when.add_argument("--version", metavar="V",
+                      help="read the pool table at Lance version V (a number, or a tag such as checkpoint-v000010 "
+                           "that a checkpoint made), with the claims made on versions <= V")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,10 +423,22 @@ def _check_engine_host(host: str) -> None:
                          "or serve on 127.0.0.1")
 
 
+def _as_of(pool: Any, args: argparse.Namespace) -> Any:
+    """The pool, or a view of it as of --as-of-step / --version (said on stderr, so stdout stays data)."""
+    step, version = getattr(args, "as_of_step", None), getattr(args, "version", None)
+    if step is None and version is None:
+        return pool
+    view = pool.as_of(step=step, version=int(version) if version and version.isdigit() else version)
+    print(f"streamrl: reading {view.uri} {view.at.label()}", file=sys.stderr)
+    return view
+
+
 def _pool_cmd(args: argparse.Namespace) -> int:
-    pool = open_pool(args.run_dir)
+    pool = _as_of(open_pool(args.run_dir), args)
     if args.pool_cmd == "stats":
         stats = pi.pool_stats(pool)
+        if getattr(pool, "at", None) is not None:
+            stats["as_of"] = {"step": pool.at.through_step, "pool_version": pool.at.pool_version}
         if args.json:
             print(json.dumps(stats, indent=2))
         else:
