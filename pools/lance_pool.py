@@ -92,6 +92,7 @@ class LancePool:
         self.run_id = run_id
         self.compact_every = compact_every
         self.keep_versions = keep_versions
+        self._warned_as_of = False
         self._compacting: threading.Thread | None = None
         if "://" not in self.uri and not create and not Path(self.uri).is_dir():
             raise NoPool(f"no experience pool at {self.uri}: the directory does not exist "
@@ -368,6 +369,20 @@ class LancePool:
         """This pool as it was when learner `step` claimed its batch, or at pool-table `version`
         (a number, or a tag such as checkpoint-v000010): pools/asof.py. PoolError when it cannot be."""
         return asof.view(self, step=step, version=version, keep_versions=self.keep_versions)
+
+    def step_groups(self, step: int, group_ids: Sequence[str]) -> list[SampleGroup]:
+        """`group_ids` as learner `step` read them (what replay and resume train on again): rows
+        appended or stored again since do not change them. Where the pool cannot be read as of
+        that step (a pool from before steps recorded versions, or the version was cleaned up)
+        they are read as stored now, and a warning says so once."""
+        try:
+            return self.as_of(step=step).groups(group_ids)
+        except PoolError as e:
+            if not self._warned_as_of:
+                log.warning("experience pool %s: reading step %d's groups as stored now, not as the step read "
+                            "them: %s", self.uri, step, e)
+                self._warned_as_of = True
+            return self.groups(group_ids)
 
     def versions(self) -> dict[str, int]:
         """{table: its latest version}."""

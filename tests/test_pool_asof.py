@@ -87,6 +87,15 @@ def test_as_of_step_reads_exactly_what_the_step_read_after_appends_and_a_compact
         assert stats["groups_by_status"]["consumed"] == 2 * (step + 1) and stats["ledger"]["balanced"], stats
 
 
+def test_step_groups_are_what_the_step_read_even_when_a_group_is_stored_again(pool) -> None:
+    trained = _pool_with_three_steps(pool)
+    again = make_group(trained[0][0], n=2)
+    pool.append([again])  # a producer's retry stores a consumed group a second time
+    assert len(pool.groups([again.group_id])[0].samples) == 4
+    (g,) = pool.step_groups(0, [again.group_id])
+    assert [s.index for s in g.samples] == [0, 1] and g.consumed_step == 0
+
+
 def test_a_tagged_version_survives_a_cleanup_and_an_untagged_one_does_not(pool) -> None:
     trained = _pool_with_three_steps(pool)
     pool._claimer.read_versions = None  # tag what step 0 read, as a checkpoint of step 0 would have

@@ -272,7 +272,7 @@ class LearnerDriver(WeightSource):
             self._train(step, self._share(None) or [])
             return {}
         assert self.pool is not None
-        groups = batch_order(self.pool.groups(group_ids))
+        groups = batch_order(self.pool.step_groups(step, group_ids))  # as the step read them (pools/asof.py)
         missing = set(group_ids) - {g.group_id for g in groups}
         if missing:
             raise RuntimeError(f"step {step}: groups {sorted(missing)[:3]} are not in the pool")

@@ -123,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("replay", help="train past steps again from the pool; compare losses and grad norms",
                         description="Re-train steps of RUN_DIR on exactly the groups they consumed (the pool records "
-                                    "the step), starting from the newest checkpoint at or before the first step, and "
+                                    "the step and the pool version its claim read, so later appends and compactions "
+                                    "do not change them), starting from the newest checkpoint at or before the first step, and "
                                     "print the loss and grad norm the run logged next to the replayed ones (identical "
                                     "on CPU). --where re-trains a SQL-selected set of groups instead, in batches of "
                                     "rollout.groups_per_step. The learner runs in this process; the pool is not "
