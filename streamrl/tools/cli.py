@@ -215,6 +215,33 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     pv.add_argument("--port", type=int, help="port (default producer_api.port; 0 = any free port)")
     pv.add_argument("--quiet", action="store_true", help="no start-up line, refusals only in logs/producer.log")
 
+    vw = sub.add_parser(
+        "view", help="browse a run in a web page: run at a glance, samples by SQL filter, tokens by version",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a local web page over RUN_DIR (or a pool URI, also on S3; read-only): reward, length, "
+                    "staleness and accuracy against step and time and the ledger; a sample browser filtered by SQL "
+                    "(the --where of `pool query`), step, version and reward; one sample's tokens coloured by the "
+                    "policy version that sampled them (hover: version, log-probs, advantage, loss mask), agent turns "
+                    "and tool output apart; a group side by side; a prompt across versions. It listens on 127.0.0.1 "
+                    "only and prints a URL with a random token, which every request needs (like Jupyter). Pages "
+                    "stream from the pool: the browser never holds more than a page of samples. Nothing is loaded "
+                    "from the network.",
+        epilog="""examples:
+  streamrl view runs/quickstart                       # open the printed http://127.0.0.1:PORT/?token=... URL
+  streamrl view runs/quickstart --as-of-step 40       # start at the pool as step 40 read it (the page can change it)
+  streamrl view runs/quickstart --html report.html --where "status = 'consumed' AND reward > 0"
+  ssh -L 8765:127.0.0.1:8765 cluster-head streamrl view runs/big --port 8765   # from another machine""")
+    vw.add_argument("run_dir", help="run directory, or a pool URI (s3://...)")
+    vw.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default 0: any free port)")
+    vw.add_argument("--as-of-step", type=int, metavar="N",
+                    help="with --html: the report shows the pool as learner step N read it (see `pool query --help`)")
+    vw.add_argument("--html", metavar="FILE",
+                    help="write a static, self-contained report to FILE instead of serving: the summary and up to "
+                         "--samples samples (with their groups and prompts) to share; no server, no token")
+    vw.add_argument("--where", metavar="SQL", help="with --html: the samples the report holds (SQL over the pool's "
+                                                   "scalar columns, as `pool query` sees them)")
+    vw.add_argument("--samples", type=int, default=200, help="with --html: at most this many samples (default 200)")
+
     pool = sub.add_parser("pool", help="inspect an experience pool (stats, query, show, export)")
     ps = pool.add_subparsers(dest="pool_cmd", required=True, metavar="ACTION")
     st = ps.add_parser("stats", help="rows/groups by status, versions, staleness, rewards, ledger",
@@ -381,6 +408,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                        weight_version=args.weight_version, seed=args.seed, threads=args.threads,
                        weights_root=args.weights_root or args.model)
         return 0
+    if args.cmd == "view":
+        return _view(args)
     if args.cmd == "produce":
         try:
             api_process.serve(args.run_dir, host=args.host, port=args.port, quiet=args.quiet)
@@ -388,6 +417,25 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         return 0
     return _pool_cmd(args)
+
+
+def _view(args: argparse.Namespace) -> int:
+    # The viewer (aiohttp, torch for the advantages it shows) loads for `streamrl view` alone.
+    from streamrl.tools import view
+
+    if not args.html and (args.where or args.as_of_step is not None):
+        raise UsageError("--where and --as-of-step go with --html (the page itself has a filter and an as-of box)")
+    try:
+        if args.html:
+            n = view.write_html(args.run_dir, args.html, view.Page(where=args.where), args.as_of_step, args.samples)
+            print(f"wrote {args.html}: {n} samples" + (f" where {args.where}" if args.where else ""))
+        else:
+            view.serve(args.run_dir, args.port)
+    except view.ViewError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot serve or write ({e.strerror or e})") from None
+    return 0
 
 
 def _from_slime(args: argparse.Namespace) -> int:
