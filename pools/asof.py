@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,9 +23,6 @@ from streamrl.pools.committer import retry_conflicts
 from streamrl.pools.errors import PoolError
 from streamrl.pools.reads import quote
 from streamrl.pools.schema import ADMISSIONS_TABLE, CLAIMS_TABLE, POOL_SCHEMA, POOL_TABLE, table_to_groups
-
-if TYPE_CHECKING:
-    from streamrl.pools.lance_pool import LancePool
 
 CHECKPOINT_TAG = "checkpoint-v{version:06d}"  # names the versions a checkpoint of policy `version` read
 MIN_AGE = timedelta(minutes=10)  # younger versions are kept too: a reader may still be scanning one
@@ -45,6 +42,26 @@ def untag_missing(ds: Any, keep: Callable[[str], bool]) -> list[str]:
     for t in gone:
         retry_conflicts(lambda: ds.tags.delete(t))  # noqa: B023 - called at once
     return gone
+
+
+def tag_checkpoint(open_table: Callable[[str], Any], tables: list[str], read: tuple[int, int] | None,
+                   policy_version: int) -> dict[str, int]:
+    """Tag checkpoint-v<policy_version> in every table: the pool and admissions versions the last
+    claim read (`read`; the latest without a claim yet), the claims table's latest, so cleanups keep
+    them. Returns {table: tagged version}: the checkpoint records it."""
+    versions = dict(zip((POOL_TABLE, ADMISSIONS_TABLE), read or (open_table(POOL_TABLE).version,
+                                                                 open_table(ADMISSIONS_TABLE).version)))
+    if CLAIMS_TABLE in tables:
+        versions[CLAIMS_TABLE] = open_table(CLAIMS_TABLE).version
+    for table, v in versions.items():
+        tag(open_table(table), CHECKPOINT_TAG.format(version=policy_version), v)
+    return versions
+
+
+def untag_checkpoints(open_table: Callable[[str], Any], tables: list[str], kept: set[int]) -> list[str]:
+    """Delete, in every table, the checkpoint tags of policy versions not in `kept`."""
+    names = {CHECKPOINT_TAG.format(version=v) for v in kept}
+    return [t for table in tables for t in untag_missing(open_table(table), names.__contains__)]
 
 
 def cleanup(ds: Any, keep_versions: int, min_age: timedelta = MIN_AGE) -> None:
@@ -70,11 +87,11 @@ def checkout(open_table: Callable[[str], Any], name: str, version: int | str, ke
 
 
 class PoolView:
-    """A pool read as it was at `at`: the part of LancePool's read API that inspection uses (scan,
+    """A pool (a LancePool; not imported: it imports this module) read as it was at `at`: the part of LancePool's read API that inspection uses (scan,
     reader, count, claims, groups, ledger), so `pool stats/query/show`, replay and the viewer read a
     past pool as they read the present one. Read-only."""
 
-    def __init__(self, pool: LancePool, at: AsOf, claims: pa.Table, keep_versions: int | None = None) -> None:
+    def __init__(self, pool: Any, at: AsOf, claims: pa.Table, keep_versions: int | None = None) -> None:
         self._pool, self.at = pool, at
         self.uri = pool.uri
         self._ds = checkout(pool._open, POOL_TABLE, at.pool_version, keep_versions)
@@ -137,7 +154,7 @@ class PoolView:
         self._pool.close()
 
 
-def view(pool: LancePool, step: int | None = None, version: int | str | None = None,
+def view(pool: Any, step: int | None = None, version: int | str | None = None,
          keep_versions: int | None = None) -> PoolView:
     """`pool` as of learner `step` or pool-table `version` (a number or a tag such as checkpoint-v000010).
     PoolError (a bad-input error) when the pool cannot be read so."""

@@ -15,6 +15,10 @@
 
 Tables are created with stable row ids (each row keeps the version that last wrote it, across
 compactions), which is what lets the learner read only new rows.
+
+Long file: the pool's whole API is this one class (writes, reads, the learner's side, time
+travel); each part's work is done in the module it names (committer, reads, claimer,
+compaction, asof).
 """
 
 from __future__ import annotations
@@ -384,27 +388,14 @@ class LancePool:
                 self._warned_as_of = True
             return self.groups(group_ids)
 
-    def versions(self) -> dict[str, int]:
-        """{table: its latest version}."""
-        self._committer.sync()
-        return {name: self._open(name).version for name in self._uris}
-
     def tag_checkpoint(self, policy_version: int) -> dict[str, int]:
-        """Tag checkpoint-v<policy_version> in every table: the pool and admissions versions the last
-        claim read, the claims table's latest, so cleanups keep them. Returns {table: version}."""
+        """Tag checkpoint-v<policy_version> on the versions the last claim read (pools/asof.py)."""
         self._committer.sync()
-        read = self._claimer.read_versions or (self._open(POOL_TABLE).version, self._open(ADMISSIONS_TABLE).version)
-        versions = dict(zip((POOL_TABLE, ADMISSIONS_TABLE), read))
-        if CLAIMS_TABLE in self._uris:
-            versions[CLAIMS_TABLE] = self._open(CLAIMS_TABLE).version
-        for table, v in versions.items():
-            asof.tag(self._open(table), asof.CHECKPOINT_TAG.format(version=policy_version), v)
-        return versions
+        return asof.tag_checkpoint(self._open, list(self._uris), self._claimer.read_versions, policy_version)
 
     def untag_checkpoints(self, kept: set[int]) -> list[str]:
         """Delete the checkpoint tags of policy versions not in `kept` (checkpoints pruned since)."""
-        names = {asof.CHECKPOINT_TAG.format(version=v) for v in kept}
-        return [t for table in self._uris for t in asof.untag_missing(self._open(table), names.__contains__)]
+        return asof.untag_checkpoints(self._open, list(self._uris), kept)
 
     def fragments(self, table: str = POOL_TABLE) -> int:
         return len(self._open(table).get_fragments()) if table in self._uris else 0
