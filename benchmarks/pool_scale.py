@@ -63,7 +63,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--png", type=Path, help="growth-curve plot (default: next to --out, else runs/bench/pool_scale.png)")
 
 
-def _history(pool: LancePool, n_groups: int, resp: tuple[int, int], rng: np.random.Generator) -> float:
+def history(pool: LancePool, n_groups: int, resp: tuple[int, int], rng: np.random.Generator) -> float:
     """Append n_groups consumed groups with 8 producers, then write their claims in bulk; seconds."""
     t0 = time.perf_counter()
     for first in range(0, n_groups, BUILD_CHUNK):
@@ -114,7 +114,7 @@ def one_size(rows: int, args: argparse.Namespace, work: Path, rng: np.random.Gen
     n_hist = n_groups - BACKLOG_GROUPS
     log(f"{rows} rows: building ({n_hist} consumed groups, {BACKLOG_GROUPS} complete)")
     with LancePool(uri, compact_every=0) as pool:
-        out["build_s"] = round(_history(pool, n_hist, resp, rng), 1)
+        out["build_s"] = round(history(pool, n_hist, resp, rng), 1)
         backlog = make_groups(BACKLOG_GROUPS, rng, "backlog", consumed=0, first=n_hist)
         append_phase(pool, Store(uri), backlog, 8)
         n_append = args.rounds * (MULTI_GROUPS + SINGLE_GROUPS)
