@@ -8,6 +8,7 @@ readable, and the compaction cleans up all but the last `keep_versions` versions
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -44,13 +45,20 @@ def untag_missing(ds: Any, keep: Callable[[str], bool]) -> list[str]:
     return gone
 
 
-def tag_checkpoint(open_table: Callable[[str], Any], tables: list[str], read: tuple[int, int] | None,
+def tag_checkpoint(open_table: Callable[[str], Any], tables: list[str], claims: pa.Table, step: int,
                    policy_version: int) -> dict[str, int]:
-    """Tag checkpoint-v<policy_version> in every table: the pool and admissions versions the last
-    claim read (`read`; the latest without a claim yet), the claims table's latest, so cleanups keep
-    them. Returns {table: tagged version}: the checkpoint records it."""
-    versions = dict(zip((POOL_TABLE, ADMISSIONS_TABLE), read or (open_table(POOL_TABLE).version,
-                                                                 open_table(ADMISSIONS_TABLE).version)))
+    """Tag checkpoint-v<policy_version> in every table: the pool and admissions versions learner
+    `step` (the checkpoint's last) read, as its claims recorded them (the latest where they did not:
+    no step yet, or a pool from before), and the claims table's latest, so cleanups keep them.
+    Returns {table: tagged version}: the checkpoint records it. (Not the last claim's: in stream
+    mode the next step may have claimed by the time the checkpoint is taken.)"""
+    try:
+        at = resolve_step(claims, step)
+        read = (at.pool_version, at.admissions_version if at.admissions_version is not None
+                else open_table(ADMISSIONS_TABLE).version)
+    except AsOfError:
+        read = (open_table(POOL_TABLE).version, open_table(ADMISSIONS_TABLE).version)
+    versions = dict(zip((POOL_TABLE, ADMISSIONS_TABLE), read))
     if CLAIMS_TABLE in tables:
         versions[CLAIMS_TABLE] = open_table(CLAIMS_TABLE).version
     for table, v in versions.items():
@@ -111,9 +119,10 @@ class PoolView:
 
     def _admissions(self, columns: list[str] | None, where: str | None) -> pa.Table:
         if self._adm_version is not None:
-            return checkout(self._pool._open, ADMISSIONS_TABLE, self._adm_version, self._keep).to_table(
-                columns=columns, filter=where)
-        # Not recorded (a bare version before any claim): admissions made by the time the version was.
+            with contextlib.suppress(PoolError):  # cleaned up: by the time, below
+                return checkout(self._pool._open, ADMISSIONS_TABLE, self._adm_version, self._keep).to_table(
+                    columns=columns, filter=where)
+        # Not recorded (a bare version before any claim) or not kept: admissions made by the pool version's time.
         when = next(v["timestamp"] for v in self._ds.versions() if v["version"] == self._ds.version)
         t = self._pool.scan(None, where, table=ADMISSIONS_TABLE)
         t = t.filter(pc.less_equal(t["admitted_ns"], int(when.timestamp() * 1e9)))

@@ -65,7 +65,6 @@ class Claimer:
         self.rows_scanned = 0  # rows in the fragments those reads filtered (what they cost)
         self.stale_dropped = 0  # groups this object dropped as stale (streaming admits as many more)
         self._claims_ds: Any = None
-        self.read_versions: tuple[int, int] | None = None  # (pool, admissions) versions the last claim read
 
     def _rows(self, ds: Any, where: str, fragments: list[Any] | None = None) -> pa.Table:
         """READY_COLUMNS, row id and version of the rows `where` selects, in `fragments` (None: all)."""
@@ -155,4 +154,3 @@ class Claimer:
             self.ready = None  # not committed: read the truth again at the next claim
             raise
         self.stale_dropped += sum(reason == "stale" for _, _, reason in decisions)
-        self.read_versions = read

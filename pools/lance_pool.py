@@ -388,10 +388,9 @@ class LancePool:
                 self._warned_as_of = True
             return self.groups(group_ids)
 
-    def tag_checkpoint(self, policy_version: int) -> dict[str, int]:
-        """Tag checkpoint-v<policy_version> on the versions the last claim read (pools/asof.py)."""
-        self._committer.sync()
-        return asof.tag_checkpoint(self._open, list(self._uris), self._claimer.read_versions, policy_version)
+    def tag_checkpoint(self, policy_version: int, step: int) -> dict[str, int]:
+        """Tag checkpoint-v<policy_version> on the versions learner `step` read (pools/asof.py)."""
+        return asof.tag_checkpoint(self._open, list(self._uris), self.claims(), step, policy_version)
 
     def untag_checkpoints(self, kept: set[int]) -> list[str]:
         """Delete the checkpoint tags of policy versions not in `kept` (checkpoints pruned since)."""

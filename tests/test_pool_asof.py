@@ -98,10 +98,8 @@ def test_step_groups_are_what_the_step_read_even_when_a_group_is_stored_again(po
 
 def test_a_tagged_version_survives_a_cleanup_and_an_untagged_one_does_not(pool) -> None:
     trained = _pool_with_three_steps(pool)
-    pool._claimer.read_versions = None  # tag what step 0 read, as a checkpoint of step 0 would have
     step0 = pool.as_of(step=0).at
-    for table, v in {"pool": step0.pool_version, "admissions": step0.admissions_version}.items():
-        pool._open(table).tags.create("checkpoint-v000001", v)
+    assert pool.tag_checkpoint(1, step=0)["pool"] == step0.pool_version  # a checkpoint of step 0
     pool.cleanup(keep_versions=1, min_age=timedelta(0))
     past = pool.as_of(step=0)  # tagged: still there
     assert sorted(pool_query(past, "SELECT DISTINCT group_id FROM pool WHERE consumed_step = 0")["group_id"]
@@ -121,10 +119,10 @@ def test_the_compaction_keeps_the_newest_versions_by_policy(run_dir) -> None:
         assert len(pool._open("pool").versions()) == 2
 
 
-def test_a_checkpoint_tag_names_the_versions_the_last_claim_read(pool) -> None:
+def test_a_checkpoint_tag_names_the_versions_its_step_read(pool) -> None:
     _pool_with_three_steps(pool)
-    versions = pool.tag_checkpoint(3)
-    assert versions["pool"] == pool.as_of(step=2).at.pool_version
+    versions = pool.tag_checkpoint(3, step=1)  # step 2 has claimed since: the tag is still step 1's
+    assert versions["pool"] == pool.as_of(step=1).at.pool_version != pool.as_of(step=2).at.pool_version
     assert pool.as_of(version="checkpoint-v000003").at.pool_version == versions["pool"]
     assert pool.untag_checkpoints({5}) == ["checkpoint-v000003"] * 3
     assert "checkpoint-v000003" not in pool._open("pool").tags.list()

@@ -336,7 +336,7 @@ class LearnerDriver(WeightSource):
             extra = {**extra, "step": step, "step_metrics": self.last_metrics,
                      "nonfinite_skipped_total": self.learner.nonfinite_skipped}
             if self.pool is not None:  # the pool as this step read it stays readable while the checkpoint exists
-                extra["pool_versions"] = self.pool.tag_checkpoint(self.version)
+                extra["pool_versions"] = self.pool.tag_checkpoint(self.version, step)
             path = megatron_checkpoint.save_checkpoint(self.learner, root, extra=extra,
                                    keep_last=self.r.run.keep_checkpoints or None)
             if self.pool is not None and self.r.run.keep_checkpoints:  # pruned checkpoints free their versions
