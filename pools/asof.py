@@ -9,6 +9,7 @@ readable, and the compaction cleans up all but the last `keep_versions` versions
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,7 @@ from streamrl.pools.errors import PoolError
 from streamrl.pools.reads import quote
 from streamrl.pools.schema import ADMISSIONS_TABLE, CLAIMS_TABLE, POOL_SCHEMA, POOL_TABLE, table_to_groups
 
+log = logging.getLogger(__name__)
 CHECKPOINT_TAG = "checkpoint-v{version:06d}"  # names the versions a checkpoint of policy `version` read
 MIN_AGE = timedelta(minutes=10)  # younger versions are kept too: a reader may still be scanning one
 
@@ -76,7 +78,11 @@ def cleanup(ds: Any, keep_versions: int, min_age: timedelta = MIN_AGE) -> None:
     """Remove versions of `ds` but tagged ones, the newest `keep_versions` and those younger than
     `min_age`. `keep_versions` 0 keeps every version."""
     if keep_versions:
-        ds.cleanup_old_versions(older_than=min_age, retain_versions=keep_versions, error_if_tagged_old_versions=False)
+        stats = ds.cleanup_old_versions(older_than=min_age, retain_versions=keep_versions,
+                                        error_if_tagged_old_versions=False)
+        if stats.old_versions:
+            log.info("experience pool %s: removed %d old versions (%.1f MB) by pool.keep_versions = %d "
+                     "(tagged versions are kept)", ds.uri, stats.old_versions, stats.bytes_removed / 1e6, keep_versions)
 
 
 def checkout(open_table: Callable[[str], Any], name: str, version: int | str, keep_versions: int | None) -> Any:

@@ -70,30 +70,21 @@ def page_html(data: dict[str, Any] | None = None) -> str:
                 .replace("/*DATA*/null", embedded))
 
 
-def _int(q: Any, name: str) -> int | None:
+def _number(q: Any, name: str, kind: type = int) -> Any:
+    """Query parameter `name` as a `kind` (None when absent); ViewError naming it otherwise."""
     v = q.get(name)
     if v in (None, ""):
         return None
     try:
-        return int(v)
+        return kind(v)
     except ValueError:
-        raise ViewError(f"{name} must be an integer, got {v[:40]!r}") from None
-
-
-def _float(q: Any, name: str) -> float | None:
-    v = q.get(name)
-    if v in (None, ""):
-        return None
-    try:
-        return float(v)
-    except ValueError:
-        raise ViewError(f"{name} must be a number, got {v[:40]!r}") from None
+        raise ViewError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {v[:40]!r}") from None
 
 
 def page_of(q: Any) -> Page:
-    return Page(where=q.get("where") or None, step=_int(q, "step"), version=_int(q, "version"),
-                reward_min=_float(q, "reward_min"), reward_max=_float(q, "reward_max"),
-                offset=_int(q, "offset") or 0, limit=_int(q, "limit") or 50)
+    return Page(where=q.get("where") or None, step=_number(q, "step"), version=_number(q, "version"),
+                reward_min=_number(q, "reward_min", float), reward_max=_number(q, "reward_max", float),
+                offset=_number(q, "offset") or 0, limit=_number(q, "limit") or 50)
 
 
 class ViewServer:
@@ -133,7 +124,7 @@ class ViewServer:
     async def _api(self, request: web.Request) -> web.Response:
         q, name = request.query, request.path.rsplit("/", 1)[-1]
         try:
-            as_of = _int(q, "as_of_step")
+            as_of = _number(q, "as_of_step")
             call: Callable[[], Any] = {
                 "summary": lambda: self.data.summary(as_of),
                 "samples": lambda: self.data.samples(page_of(q), as_of),
