@@ -18,7 +18,7 @@ size differs between sizes:
                      (reward by version over consumed groups), on a pool object opened for it
   show_ms            `pool show`'s lookup of one group by id
   bytes_per_row      bytes of the data files the pool's tables use now over its rows (tokens
-                     dominate); disk_mb is the directory, with the versions kept for 10 minutes
+                     dominate); disk_mb is the directory, with the versions pool.keep_versions keeps
 
 History rows of sizes above --long-up-to have shorter responses (--short-tokens, default
 50-400) so 1M rows fit in ~2.5 GB; the measured appends and claims always use long ones.
@@ -145,7 +145,7 @@ def one_size(rows: int, args: argparse.Namespace, work: Path, rng: np.random.Gen
         out["show_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         total = pool.count_rows()
     out["pool_rows"], out["stats_rows"] = total, stats["rows"]
-    out["disk_mb"] = dir_mb(uri)  # with the versions compaction keeps for 10 minutes
+    out["disk_mb"] = dir_mb(uri)  # with the versions compaction keeps (pool.keep_versions)
     out["bytes_per_row"] = round(live_bytes(uri) / total)
     shutil.rmtree(uri, ignore_errors=True)
     return out

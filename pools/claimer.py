@@ -8,7 +8,7 @@ written since (Lance's stable row ids keep each row's last-updated version, so t
 compaction rewrote are not read as new): its cost follows how much arrived since the last step,
 not how much the pool holds. A learner that starts fills the set from the claims table and the
 rows stored after the last claim's `ready_after_version`, found the same way from that version's
-fragments while Lance still keeps it (versions older than 10 minutes are cleaned up; then every
+fragments while Lance still keeps it (pools/asof.py: the newest pool.keep_versions; then every
 fragment is filtered, once). Pools created before claims had stable row ids (old pools) are
 read whole every time instead: correct, and as slow as before.
 

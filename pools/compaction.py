@@ -17,8 +17,9 @@ INDEXED = {"pool": {"group_id": "BTREE", "status": "BITMAP", "uid": "BTREE"}, "a
 def compact_table(open_table: Callable[[str], Any], name: str, keep_versions: int = 1000) -> None:
     """Merge small fragments of table `name` into ~16k-row ones (bounded, so a big fragment is not
     rewritten every time), bring its scalar indices up to date, and remove versions but the newest
-    `keep_versions`, tagged ones (checkpoints) and those under 10 minutes old (pools/asof.py). Indices are made with pylance, like every read: LanceDB 0.40's own Lance ignores
-    the index version pylance 14 writes. `open_table(name)` gives a fresh pylance dataset."""
+    `keep_versions`, tagged ones (checkpoints) and those under 10 minutes old (pools/asof.py).
+    Indices are made with pylance, like every read: LanceDB 0.40's own Lance ignores the index
+    version pylance 14 writes. `open_table(name)` gives a fresh pylance dataset."""
     if open_table(name).count_rows() == 0:
         return
     # Binary copy moves the encoded pages as they are (3-4x less CPU than decoding and encoding
