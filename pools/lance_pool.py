@@ -388,6 +388,11 @@ class LancePool:
                 self._warned_as_of = True
             return self.groups(group_ids)
 
+    def versions(self) -> dict[str, int]:
+        """{table: its latest version}: what a reader caching the pool checks to know it changed."""
+        self._committer.sync()
+        return {name: self._open(name).version for name in self._uris}
+
     def tag_checkpoint(self, policy_version: int, step: int) -> dict[str, int]:
         """Tag checkpoint-v<policy_version> on the versions learner `step` read (pools/asof.py)."""
         return asof.tag_checkpoint(self._open, list(self._uris), self.claims(), step, policy_version)

@@ -12,7 +12,6 @@ time and a row limit, and anything refused is a ViewError (HTTP 400) that says w
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,6 @@ _TOKEN_LISTS = sorted(set(POOL_SCHEMA.names) - set(META_COLUMNS))
 PAGE_MAX = 200  # rows one page may ask for
 FILTER_TIMEOUT_S = 5.0  # what one filtered query may take
 FILTER_LIMITS = {"memory_limit": "1GB", "threads": 1}
-LIVE_INDEX_TTL_S = 5.0  # a pool a run still writes: its index is rebuilt at most this often
 PROMPT_GROUPS_MAX = 50  # groups of one prompt shown across versions
 ORDER = "created_ns, group_id, sample_index"
 
@@ -117,7 +115,7 @@ class RunData:
         self.pool, self.run_dir = pool, run_dir
         self._lock = threading.Lock()
         self._views: dict[int, Any] = {}
-        self._index: dict[tuple[Any, ...], tuple[float, pa.Table]] = {}
+        self._index: dict[tuple[Any, ...], pa.Table] = {}
         self._decoder = load_decoder(pool.tokenizer)
         self._advantage = advantage_method(run_dir)
         self.filter_timeout_s = FILTER_TIMEOUT_S
@@ -139,25 +137,17 @@ class RunData:
     def index(self, as_of_step: int | None, extra: tuple[str, ...] = ()) -> pa.Table:
         """The narrow table the sample list and the charts query: LIST_COLUMNS (+ `extra` scalar
         columns a filter names) of every row, claims applied. Cached: a past pool never changes;
-        the live one is read again when it has a new version, at most every LIVE_INDEX_TTL_S."""
+        the live one is read again once one of its tables has a new version (a run still writing)."""
         columns = [*LIST_COLUMNS, *[c for c in extra if c not in LIST_COLUMNS]]
         src = self.source(as_of_step)
-        key: tuple[Any, ...] = ("step", as_of_step, *columns)
+        when = ("step", as_of_step) if as_of_step is not None else ("live", tuple(sorted(self.pool.versions().items())))
+        key = (*when, *columns)
         with self._lock:
-            hit = self._index.get(key) if as_of_step is not None else self._live(columns)
-            if hit is None:
-                hit = (time.monotonic(), src.scan(columns))
-                if as_of_step is None:
-                    key = ("live", *columns)
-                    self._index = {k: v for k, v in self._index.items() if k[0] != "live"}  # one live index
-                self._index[key] = hit
-            return hit[1]
-
-    def _live(self, columns: list[str]) -> tuple[float, pa.Table] | None:
-        hit = self._index.get(("live", *columns))
-        if hit is None or time.monotonic() - hit[0] > LIVE_INDEX_TTL_S:
-            return None
-        return hit
+            if key not in self._index:
+                if when[0] == "live":  # older versions of the live pool are of no more use
+                    self._index = {k: v for k, v in self._index.items() if k[0] != "live" or k[1] == when[1]}
+                self._index[key] = src.scan(columns)
+            return self._index[key]
 
     # ------------------------------------------------------------ queries over the index
 

@@ -82,7 +82,8 @@ $("asof").addEventListener("submit", (e) => {
   const v = $("asof-step").value;
   state.asOf = v === "" ? null : Number(v);
   state.offset = 0;
-  loadSummary().then(loadRows);
+  loadSummary();
+  loadRows();
 });
 
 // ------------------------------------------------------------------ the run at a glance
@@ -306,4 +307,6 @@ if (EMBEDDED) {
   $("f-where").title = "a static report holds the samples this filter selected when it was written";
   $("asof").hidden = true;
 }
-loadSummary().then(loadRows);
+// Both at once: the sample list does not wait for the summary's ledger.
+loadSummary();
+loadRows();
