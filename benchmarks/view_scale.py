@@ -146,7 +146,8 @@ def main() -> None:
             log(f"kept {uri} (time it again: --pool {uri})")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    result = {"benchmark": "view_scale", "rows": runs[0]["total_rows"], "build_s": round(build_s, 1),
+    result = {"benchmark": "view_scale", "rows": runs[0]["total_rows"],
+              "build_s": None if args.pool else round(build_s, 1),
               **summarise(runs), "runs": runs, "filter": FILTER,
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
               "git": git_rev(), "machine": machine(load0, ("lancedb", "pylance", "pyarrow", "duckdb", "aiohttp")),

@@ -116,6 +116,7 @@ class RunData:
         self._lock = threading.Lock()
         self._views: dict[int, Any] = {}
         self._index: dict[tuple[Any, ...], pa.Table] = {}
+        self._summary: tuple[tuple[Any, ...] | None, dict[str, Any]] = (None, {})
         self._decoder = load_decoder(pool.tokenizer)
         self._advantage = advantage_method(run_dir)
         self.filter_timeout_s = FILTER_TIMEOUT_S
@@ -140,7 +141,7 @@ class RunData:
         the live one is read again once one of its tables has a new version (a run still writing)."""
         columns = [*LIST_COLUMNS, *[c for c in extra if c not in LIST_COLUMNS]]
         src = self.source(as_of_step)
-        when = ("step", as_of_step) if as_of_step is not None else ("live", tuple(sorted(self.pool.versions().items())))
+        when = self._when(as_of_step)
         key = (*when, *columns)
         with self._lock:
             if key not in self._index:
@@ -148,6 +149,13 @@ class RunData:
                     self._index = {k: v for k, v in self._index.items() if k[0] != "live" or k[1] == when[1]}
                 self._index[key] = src.scan(columns)
             return self._index[key]
+
+    def _when(self, as_of_step: int | None) -> tuple[Any, ...]:
+        """What the pool read `as_of_step` is now: a past step's never changes; the live pool's
+        changes with any table's version."""
+        if as_of_step is not None:
+            return ("step", as_of_step)
+        return ("live", tuple(sorted(self.pool.versions().items())))
 
     # ------------------------------------------------------------ queries over the index
 
@@ -186,7 +194,14 @@ class RunData:
 
     def summary(self, as_of_step: int | None = None) -> dict[str, Any]:
         """The run at a glance: per-step reward, length, staleness (pool), wall time and loss
-        (metrics.jsonl), accuracy (eval.jsonl), the ledger, and the steps it can be read as of."""
+        (metrics.jsonl), accuracy (eval.jsonl), the ledger, and the steps it can be read as of.
+        Kept until the pool changes (the ledger reads three columns of every row)."""
+        when = self._when(as_of_step)
+        if self._summary[0] != when:
+            self._summary = (when, self._summarise(as_of_step))
+        return self._summary[1]
+
+    def _summarise(self, as_of_step: int | None) -> dict[str, Any]:
         src = self.source(as_of_step)
         table = self.index(as_of_step)
         per_step = self._query(table, """
