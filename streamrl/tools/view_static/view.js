@@ -275,6 +275,7 @@ async function openGroup(gid) {
   try {
     const g = await api("group", { group_id: gid });
     $("detail").replaceChildren(el("h2", {}, `group ${g.group_id} (prompt ${g.prompt_id}, ${g.status})`),
+      el("div", { class: "tokens" }, g.samples.length ? g.samples[0].prompt.text.join("") : ""),
       legend(g.samples.flatMap((s) => s.tokens.version)),
       el("div", { class: "side" }, ...g.samples.map((s) => el("div", {},
         el("b", {}, `#${s.index} reward ${fmt(s.reward)} adv ${fmt(s.advantage)}`),
