@@ -266,13 +266,15 @@ class LearnerDriver(WeightSource):
             self.last_step, self.last_metrics = step, m
         return m
 
-    def retrain(self, step: int, group_ids: list[str], max_staleness: int) -> dict[str, Any]:
-        """Train on the groups a past step consumed, as that step did (resume, replay)."""
+    def retrain(self, step: int, group_ids: list[str], max_staleness: int, as_read: bool = True) -> dict[str, Any]:
+        """Train on the groups a past step consumed, as that step did (resume, replay). `as_read`:
+        they are the groups `step` consumed, read as that step read them; False for other groups
+        (`replay --where`), read as stored now."""
         if self.rank != 0:
             self._train(step, self._share(None) or [])
             return {}
         assert self.pool is not None
-        groups = batch_order(self.pool.step_groups(step, group_ids))  # as the step read them (pools/asof.py)
+        groups = batch_order(self.pool.step_groups(step, group_ids) if as_read else self.pool.groups(group_ids))
         missing = set(group_ids) - {g.group_id for g in groups}
         if missing:
             raise RuntimeError(f"step {step}: groups {sorted(missing)[:3]} are not in the pool")

@@ -171,7 +171,7 @@ def replay_where(run_dir: str | Path, where: str, progress: bool = True,
     k, rows = r.rollout.groups_per_step, []
     for i in tqdm(range(0, len(groups), k), desc="replay", unit="batch", disable=not progress):
         chunk = groups[i:i + k]
-        m = drv.retrain(s0 + i // k, [g["group_id"] for g in chunk], r.max_staleness)
+        m = drv.retrain(s0 + i // k, [g["group_id"] for g in chunk], r.max_staleness, as_read=False)
         steps = sorted({g["consumed_step"] for g in chunk if g["consumed_step"] is not None})
         rows.append({"batch": i // k, "groups": len(chunk), "loss": m.get("loss"), "grad_norm": m.get("grad_norm"),
                      "reward_mean": m["reward_mean"], "start_version": v0, "orig_steps": steps,
