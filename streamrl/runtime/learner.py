@@ -36,7 +36,7 @@ from streamrl.core.algorithms.objective import Choice
 from streamrl.core.staleness import claimed_per_step, decide, mask_stale_tokens
 from streamrl.core.types import Batch, SampleGroup
 from streamrl.plugins.filters import top_by_reward_std
-from streamrl.pools import open_pool
+from streamrl.pools import PoolError, open_pool
 from streamrl.recipe import Recipe, learner_layout, resolve_fn
 from streamrl.runtime import faultpoint
 
@@ -338,11 +338,19 @@ class LearnerDriver(WeightSource):
             extra = {**extra, "step": step, "step_metrics": self.last_metrics,
                      "nonfinite_skipped_total": self.learner.nonfinite_skipped}
             if self.pool is not None:  # the pool as this step read it stays readable while the checkpoint exists
-                extra["pool_versions"] = self.pool.tag_checkpoint(self.version, step)
+                try:
+                    extra["pool_versions"] = self.pool.tag_checkpoint(self.version, step)
+                except (PoolError, OSError, ValueError) as e:  # a missing tag costs time travel, not the checkpoint
+                    warnings.warn(f"checkpoint of version {self.version}: the pool versions it read were not tagged "
+                                  f"({e}); `pool query --as-of-step {step}` may not find them after a cleanup",
+                                  stacklevel=1)
             path = megatron_checkpoint.save_checkpoint(self.learner, root, extra=extra,
                                    keep_last=self.r.run.keep_checkpoints or None)
             if self.pool is not None and self.r.run.keep_checkpoints:  # pruned checkpoints free their versions
-                self.pool.untag_checkpoints({v for v, _ in megatron_checkpoint.list_checkpoints(root)})
+                try:
+                    self.pool.untag_checkpoints({v for v, _ in megatron_checkpoint.list_checkpoints(root)})
+                except (PoolError, OSError, ValueError) as e:
+                    warnings.warn(f"the pool tags of pruned checkpoints stay ({e}): their versions are kept", stacklevel=1)
             return {"path": str(path), "step": step, "version": self.version}
 
     def close(self) -> None:
