@@ -41,16 +41,18 @@ def test_filter_by_reward_open_a_sample_and_its_token_versions_match_pool_query(
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)  # CSP violations too
         page.goto(srv.url)
         page.wait_for_selector("#charts .chart svg")
         page.click("button[data-tab=samples]")
-        page.wait_for_function("document.querySelectorAll('#rows tbody tr').length > 0")  # the unfiltered first page
+        # Waits go through locators: the page's Content-Security-Policy forbids the eval a string predicate needs.
+        page.wait_for_selector("#rows tbody tr")  # the unfiltered first page
         before = page.text_content("#f-count")
         page.fill("#f-rmin", "0.75")
         with page.expect_response(lambda r: "/api/samples" in r.url and "reward_min=0.75" in r.url) as resp:
             page.click("#f-apply")
         assert resp.value.status == 200
-        page.wait_for_function("t => document.querySelector('#f-count').textContent !== t", arg=before)
+        sync_api.expect(page.locator("#f-count")).not_to_have_text(before or "")
         rewards = page.eval_on_selector_all("#rows tbody tr td:nth-child(5)", "tds => tds.map(td => Number(td.textContent))")
         assert rewards and all(r >= 0.75 for r in rewards), rewards
         uid = page.get_attribute("#rows tbody tr:first-child", "data-uid")

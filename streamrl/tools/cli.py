@@ -234,7 +234,8 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     vw.add_argument("run_dir", help="run directory, or a pool URI (s3://...)")
     vw.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default 0: any free port)")
     vw.add_argument("--as-of-step", type=int, metavar="N",
-                    help="with --html: the report shows the pool as learner step N read it (see `pool query --help`)")
+                    help="the pool as learner step N read it (see `pool query --help`): the page opens there "
+                         "(its as-of box changes it), the --html report holds it")
     vw.add_argument("--html", metavar="FILE",
                     help="write a static, self-contained report to FILE instead of serving: the summary and up to "
                          "--samples samples (with their groups and prompts) to share; no server, no token")
@@ -423,14 +424,14 @@ def _view(args: argparse.Namespace) -> int:
     # The viewer (aiohttp, torch for the advantages it shows) loads for `streamrl view` alone.
     from streamrl.tools import view
 
-    if not args.html and (args.where or args.as_of_step is not None):
-        raise UsageError("--where and --as-of-step go with --html (the page itself has a filter and an as-of box)")
+    if not args.html and args.where:
+        raise UsageError("--where goes with --html (the page itself has a filter box)")
     try:
         if args.html:
             n = view.write_html(args.run_dir, args.html, view.Page(where=args.where), args.as_of_step, args.samples)
             print(f"wrote {args.html}: {n} samples" + (f" where {args.where}" if args.where else ""))
         else:
-            view.serve(args.run_dir, args.port)
+            view.serve(args.run_dir, args.port, args.as_of_step)
     except view.ViewError as e:
         raise UsageError(str(e)) from None
     except OSError as e:

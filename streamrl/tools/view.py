@@ -171,9 +171,9 @@ def running(data: RunData, port: int = 0) -> Iterator[ViewServer]:
         loop.close()
 
 
-async def _serve(data: RunData, port: int) -> None:
+async def _serve(data: RunData, port: int, as_of_step: int | None) -> None:
     server = ViewServer(data)
-    url = await server.start(port)
+    url = await server.start(port) + ("" if as_of_step is None else f"&as_of_step={as_of_step}")
     print(f"streamrl view: {data.pool.uri}\n  open {url}\n  (127.0.0.1 only; the token is the key: do not share "
           "the URL; Ctrl-C stops)", flush=True)
     stop = asyncio.Event()
@@ -186,11 +186,14 @@ async def _serve(data: RunData, port: int) -> None:
         await server.close()
 
 
-def serve(target: str, port: int = 0) -> None:
-    """`streamrl view RUN`: serve until SIGINT/SIGTERM."""
+def serve(target: str, port: int = 0, as_of_step: int | None = None) -> None:
+    """`streamrl view RUN`: serve until SIGINT/SIGTERM; the printed URL opens the page as of
+    `as_of_step` when given (ViewError, before serving, when the pool cannot be read so)."""
     data = open_run(target)
     try:
-        asyncio.run(_serve(data, port))
+        if as_of_step is not None:
+            data.source(as_of_step)
+        asyncio.run(_serve(data, port, as_of_step))
     finally:
         data.close()
 

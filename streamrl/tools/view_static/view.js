@@ -4,8 +4,10 @@
 "use strict";
 
 const EMBEDDED = JSON.parse(document.getElementById("embedded").textContent);
-const TOKEN = new URLSearchParams(location.search).get("token") || "";
-const state = { asOf: null, offset: 0, limit: 50, xaxis: "step", summary: null };
+const QUERY = new URLSearchParams(location.search);
+const TOKEN = QUERY.get("token") || "";
+const START_STEP = QUERY.get("as_of_step");  // `streamrl view --as-of-step N` opens the page there
+const state = { asOf: START_STEP && !EMBEDDED ? Number(START_STEP) : null, offset: 0, limit: 50, xaxis: "step", summary: null };
 
 const $ = (id) => document.getElementById(id);
 
@@ -302,6 +304,7 @@ async function openPrompt(pid) {
 
 // ------------------------------------------------------------------ start
 
+if (state.asOf !== null) $("asof-step").value = state.asOf;
 if (EMBEDDED) {
   $("f-where").value = EMBEDDED.where || "";
   $("f-where").disabled = true;
