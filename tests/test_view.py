@@ -20,6 +20,7 @@ import yaml
 
 from streamrl.pools import LancePool, open_pool
 from streamrl.pools.queries import pool_query
+from streamrl.tools.cli import main
 from streamrl.tools.view import open_run, running
 
 from poolkit import small_run
@@ -212,3 +213,10 @@ def test_the_viewer_reads_a_pool_on_s3(s3_server, tmp_path) -> None:
         assert status == 200 and d["consumed_step"] == 0
         assert get(srv, "/api/samples", where="EXISTS (SELECT * FROM glob('/etc/*'))")[0] == 400
     data.close()
+
+
+def test_view_flags_that_cannot_work_exit_2(run, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["view", str(run[0]), "--where", "reward > 0"]) == 2
+    assert "--where goes with --html" in capsys.readouterr().err
+    assert main(["view", str(run[0]), "--as-of-step", "99999"]) == 2  # checked before serving
+    assert "0..3" in capsys.readouterr().err
