@@ -22,6 +22,7 @@ from streamrl.pools import LancePool, open_pool
 from streamrl.pools.queries import pool_query
 from streamrl.tools.cli import main
 from streamrl.tools.view import open_run, running
+from streamrl.tools.view_data import INDEXES_KEPT, Page
 
 from poolkit import small_run
 
@@ -106,6 +107,16 @@ def test_a_samples_tokens_carry_the_versions_pool_query_stores(server, run) -> N
     assert status == 200 and [s["index"] for s in g["samples"]] == [0, 1, 2, 3]
     status, p = get(server, "/api/prompt", prompt_id=d["prompt_id"])
     assert status == 200 and [r["min_version"] for r in p["groups"]] == sorted(r["min_version"] for r in p["groups"])
+
+
+def test_the_viewer_keeps_a_few_indexes_not_one_per_step_viewed(run) -> None:
+    data = open_run(str(run[0]))
+    for step in (0, 1, 2, 3, 0, 1, 2, 3):
+        data.samples(Page(limit=1), as_of_step=step)
+    data.samples(Page(where="drop_reason IS NULL", limit=1))
+    assert len(data._index) <= INDEXES_KEPT and len(data._views) <= INDEXES_KEPT
+    assert ("live",) == next(reversed(data._index))[:1]  # the one used last is kept
+    data.close()
 
 
 def test_as_of_step_pages_show_the_pool_as_that_step_read_it(server, run) -> None:

@@ -37,6 +37,7 @@ _TOKEN_LISTS = sorted(set(POOL_SCHEMA.names) - set(META_COLUMNS))
 PAGE_MAX = 200  # rows one page may ask for
 FILTER_TIMEOUT_S = 5.0  # what one filtered query may take
 FILTER_LIMITS = {"memory_limit": "1GB", "threads": 1}
+INDEXES_KEPT = 4  # indexes (~100 bytes a row each) and past pools kept in memory, least recently used dropped
 PROMPT_GROUPS_MAX = 50  # groups of one prompt shown across versions
 ORDER = "created_ns, group_id, sample_index"
 
@@ -130,9 +131,12 @@ class RunData:
         with self._lock:
             if as_of_step not in self._views:
                 try:
-                    self._views[as_of_step] = self.pool.as_of(step=as_of_step)
+                    view = self.pool.as_of(step=as_of_step)
                 except PoolError as e:
                     raise ViewError(f"as_of_step {as_of_step}: {e}") from None
+                while len(self._views) >= INDEXES_KEPT:
+                    self._views.pop(next(iter(self._views)))
+                self._views[as_of_step] = view
             return self._views[as_of_step]
 
     def index(self, as_of_step: int | None, extra: tuple[str, ...] = ()) -> pa.Table:
@@ -147,7 +151,10 @@ class RunData:
             if key not in self._index:
                 if when[0] == "live":  # older versions of the live pool are of no more use
                     self._index = {k: v for k, v in self._index.items() if k[0] != "live" or k[1] == when[1]}
+                while len(self._index) >= INDEXES_KEPT:  # the least recently used goes first
+                    self._index.pop(next(iter(self._index)))
                 self._index[key] = src.scan(columns)
+            self._index[key] = self._index.pop(key)  # now the most recently used
             return self._index[key]
 
     def _when(self, as_of_step: int | None) -> tuple[Any, ...]:
