@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test install clean
+.PHONY: quickstart test install browser clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -16,14 +16,25 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# Debian's Chromium for the viewer's browser test (tests/test_view_browser.py drives it with playwright,
+# whose own browser download is never used). Installed as root (or with sudo); elsewhere the test
+# skips and says why. Not an error: the rest of the suite needs no browser.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
+	  if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null \
+	      || echo "make browser: installing chromium failed; the viewer's browser test will be skipped"; \
+	  else echo "make browser: no chromium and no root/apt-get to install it; the viewer's browser test will be skipped"; fi; }
 
 quickstart: $(STAMP)
 	$(BIN)/streamrl run recipes/quickstart.yaml
 
 # Two workers, whole files each (module fixtures and a file's runs stay together): the suite is
 # mostly end-to-end runs waiting on engines, so the second core halves the wall time. PYTEST_ARGS="-n 0" runs it serially.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 clean:

@@ -18,7 +18,7 @@ size differs between sizes:
                      (reward by version over consumed groups), on a pool object opened for it
   show_ms            `pool show`'s lookup of one group by id
   bytes_per_row      bytes of the data files the pool's tables use now over its rows (tokens
-                     dominate); disk_mb is the directory, with the versions kept for 10 minutes
+                     dominate); disk_mb is the directory, with the versions pool.keep_versions keeps
 
 History rows of sizes above --long-up-to have shorter responses (--short-tokens, default
 50-400) so 1M rows fit in ~2.5 GB; the measured appends and claims always use long ones.
@@ -63,7 +63,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--png", type=Path, help="growth-curve plot (default: next to --out, else runs/bench/pool_scale.png)")
 
 
-def _history(pool: LancePool, n_groups: int, resp: tuple[int, int], rng: np.random.Generator) -> float:
+def history(pool: LancePool, n_groups: int, resp: tuple[int, int], rng: np.random.Generator) -> float:
     """Append n_groups consumed groups with 8 producers, then write their claims in bulk; seconds."""
     t0 = time.perf_counter()
     for first in range(0, n_groups, BUILD_CHUNK):
@@ -114,7 +114,7 @@ def one_size(rows: int, args: argparse.Namespace, work: Path, rng: np.random.Gen
     n_hist = n_groups - BACKLOG_GROUPS
     log(f"{rows} rows: building ({n_hist} consumed groups, {BACKLOG_GROUPS} complete)")
     with LancePool(uri, compact_every=0) as pool:
-        out["build_s"] = round(_history(pool, n_hist, resp, rng), 1)
+        out["build_s"] = round(history(pool, n_hist, resp, rng), 1)
         backlog = make_groups(BACKLOG_GROUPS, rng, "backlog", consumed=0, first=n_hist)
         append_phase(pool, Store(uri), backlog, 8)
         n_append = args.rounds * (MULTI_GROUPS + SINGLE_GROUPS)
@@ -145,7 +145,7 @@ def one_size(rows: int, args: argparse.Namespace, work: Path, rng: np.random.Gen
         out["show_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         total = pool.count_rows()
     out["pool_rows"], out["stats_rows"] = total, stats["rows"]
-    out["disk_mb"] = dir_mb(uri)  # with the versions compaction keeps for 10 minutes
+    out["disk_mb"] = dir_mb(uri)  # with the versions compaction keeps (pool.keep_versions)
     out["bytes_per_row"] = round(live_bytes(uri) / total)
     shutil.rmtree(uri, ignore_errors=True)
     return out

@@ -79,6 +79,7 @@ def open_pool(run_dir_or_uri: str | os.PathLike[str], *, create: bool = False, c
     uri, options = resolve_pool(str(run_dir_or_uri))
     if config is not None:
         options = {**options, **config.storage_options}
-        kwargs = {"commit_max_rows": config.commit_max_rows, "commit_linger_ms": config.commit_linger_ms, **kwargs}
+        kwargs = {"commit_max_rows": config.commit_max_rows, "commit_linger_ms": config.commit_linger_ms,
+                  "keep_versions": config.keep_versions, **kwargs}
     options = {**options, **kwargs.pop("storage_options", {})}
     return _lance_pool()(uri, create=create, storage_options=options, **kwargs)

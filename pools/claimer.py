@@ -8,7 +8,7 @@ written since (Lance's stable row ids keep each row's last-updated version, so t
 compaction rewrote are not read as new): its cost follows how much arrived since the last step,
 not how much the pool holds. A learner that starts fills the set from the claims table and the
 rows stored after the last claim's `ready_after_version`, found the same way from that version's
-fragments while Lance still keeps it (versions older than 10 minutes are cleaned up; then every
+fragments while Lance still keeps it (pools/asof.py: the newest pool.keep_versions; then every
 fragment is filtered, once). Pools created before claims had stable row ids (old pools) are
 read whole every time instead: correct, and as slow as before.
 
@@ -108,7 +108,7 @@ class Claimer:
                 take, mask, drop = staleness.select_groups(self.ready.candidates(), learner_version, num_groups,
                                                            max_staleness, policy)
                 if len(take) < num_groups:
-                    self._commit([(g, "dropped", "stale") for g in drop], step, learner_version)
+                    self._commit([(g, "dropped", "stale") for g in drop], step, learner_version, ds.version)
                     return None
                 # By row id: a take, where a filter on group_id scans (10x slower here).
                 rows = by_row_id(ds, POOL_SCHEMA.names, self.ready.row_ids(take))
@@ -122,7 +122,7 @@ class Claimer:
                 kept, rejected = select([by_id[g] for g in take])
                 take = [g.group_id for g in kept]
             self._commit([(g, "dropped", "stale") for g in drop] + [(g, "dropped", r) for g, r in rejected.items()]
-                         + [(g, "consumed", None) for g in take], step, learner_version)
+                         + [(g, "consumed", None) for g in take], step, learner_version, ds.version)
         groups, masked = [], 0
         for gid in take:
             g = by_id[gid]
@@ -133,15 +133,21 @@ class Claimer:
         return Batch(step=step, learner_version=learner_version, groups=groups, dropped=drop, masked_tokens=masked,
                      rejected=rejected)
 
-    def _commit(self, decisions: list[tuple[str, str, str | None]], step: int, learner_version: int) -> None:
+    def _commit(self, decisions: list[tuple[str, str, str | None]], step: int, learner_version: int,
+                pool_version: int) -> None:
+        """One append to `claims`; its rows record `pool_version` (the pool table the decisions were
+        made on) and the admissions table's version, so the pool can be read as of this step."""
         if not decisions:
             return
         assert self.ready is not None
         self.ready.mark_claimed(g for g, _, _ in decisions)
         after = self.ready.frontier(self.seen) if self.stable else None
-        table = claims_to_table(claim_columns(decisions, step, learner_version), time.time_ns(), after)
+        read = (pool_version, self._open("admissions").version)
+        table = claims_to_table(claim_columns(decisions, step, learner_version), time.time_ns(), after, read)
         if self._claims_ds is None:
             self._claims_ds = self._open("claims")
+        # A claims table from before time travel lacks its columns: its claims are stored without them.
+        table = table.select([c for c in table.column_names if c in self._claims_ds.schema.names])
         try:
             retry_conflicts(lambda: self._claims_ds.insert(table))
         except BaseException:

@@ -4,9 +4,9 @@ never conflict with a compaction, and claims do not touch the tables it rewrites
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
+from streamrl.pools.asof import cleanup
 from streamrl.pools.committer import retry_conflicts
 
 COMPACT_TARGET_ROWS = 16384
@@ -14,11 +14,12 @@ COMPACT_TARGET_ROWS = 16384
 INDEXED = {"pool": {"group_id": "BTREE", "status": "BITMAP", "uid": "BTREE"}, "admissions": {"group_id": "BTREE"}}
 
 
-def compact_table(open_table: Callable[[str], Any], name: str) -> None:
+def compact_table(open_table: Callable[[str], Any], name: str, keep_versions: int = 1000) -> None:
     """Merge small fragments of table `name` into ~16k-row ones (bounded, so a big fragment is not
-    rewritten every time), drop versions older than 10 minutes, and bring its scalar indices up
-    to date. Indices are made with pylance, like every read: LanceDB 0.40's own Lance ignores
-    the index version pylance 14 writes. `open_table(name)` gives a fresh pylance dataset."""
+    rewritten every time), bring its scalar indices up to date, and remove versions but the newest
+    `keep_versions`, tagged ones (checkpoints) and those under 10 minutes old (pools/asof.py).
+    Indices are made with pylance, like every read: LanceDB 0.40's own Lance ignores the index
+    version pylance 14 writes. `open_table(name)` gives a fresh pylance dataset."""
     if open_table(name).count_rows() == 0:
         return
     # Binary copy moves the encoded pages as they are (3-4x less CPU than decoding and encoding
@@ -32,7 +33,7 @@ def compact_table(open_table: Callable[[str], Any], name: str) -> None:
             retry_conflicts(lambda: open_table(name).create_scalar_index(col, kind))  # noqa: B023 - called at once
     if INDEXED.get(name):
         retry_conflicts(lambda: open_table(name).optimize.optimize_indices())
-    open_table(name).cleanup_old_versions(older_than=timedelta(minutes=10))
+    cleanup(open_table(name), keep_versions)
 
 
 def small_fragments(ds: Any) -> int:

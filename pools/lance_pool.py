@@ -15,6 +15,10 @@
 
 Tables are created with stable row ids (each row keeps the version that last wrote it, across
 compactions), which is what lets the learner read only new rows.
+
+Long file: the pool's whole API is this one class (writes, reads, the learner's side, time
+travel); each part's work is done in the module it names (committer, reads, claimer,
+compaction, asof).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import pyarrow as pa
 
 from streamrl.core.ledger import compute_ledger
 from streamrl.core.types import Admission, Batch, ConsumptionPolicy, Ledger, SampleGroup
-from streamrl.pools import compaction, damage, reads
+from streamrl.pools import asof, compaction, damage, reads
 from streamrl.pools.errors import NoPool, PoolError
 from streamrl.pools.claimer import Claimer, Select
 from streamrl.pools.committer import Committer, Item, retry_conflicts
@@ -79,11 +83,13 @@ class LancePool:
         compact_every: int = 64,
         storage_options: dict[str, str] | None = None,
         write_ahead: bool = False,
+        keep_versions: int = 1000,
     ) -> None:
         """`storage_options`: object-store settings (credentials, endpoint) for a URI such as
         s3://bucket/run/pool, passed to LanceDB and to every pylance dataset. `write_ahead`:
         writes return once in this process's write-ahead log rather than once committed (local
-        directories only: an object store has no file locks)."""
+        directories only: an object store has no file locks). `keep_versions`: the compaction
+        removes all but the newest this many versions of each table, and tagged ones (0: none)."""
         self.uri = str(uri)
         if write_ahead and "://" in self.uri:
             raise PoolError(f"pool.write_ahead needs a pool in a local directory, not {self.uri}: the log's "
@@ -91,6 +97,8 @@ class LancePool:
         self._storage_options = dict(storage_options or {})
         self.run_id = run_id
         self.compact_every = compact_every
+        self.keep_versions = keep_versions
+        self._warned_as_of = False
         self._compacting: threading.Thread | None = None
         if "://" not in self.uri and not create and not Path(self.uri).is_dir():
             raise NoPool(f"no experience pool at {self.uri}: the directory does not exist "
@@ -353,9 +361,49 @@ class LancePool:
                 "broken": 0 if r is None else len(r.broken), "incremental": c.stable, "stale_dropped": c.stale_dropped}
 
     def compact(self) -> None:
-        """Compact every table (pools/compaction.py)."""
+        """Compact every table (pools/compaction.py), then clean up versions by `keep_versions`."""
         for name in self._uris:
-            compaction.compact_table(self._open, name)
+            compaction.compact_table(self._open, name, self.keep_versions)
+
+    def cleanup(self, keep_versions: int | None = None, min_age: timedelta = asof.MIN_AGE) -> None:
+        """Remove old versions of every table but tagged ones and the newest `keep_versions`
+        (default: this pool's), and those younger than `min_age` (a reader may be scanning one)."""
+        for name in self._uris:
+            asof.cleanup(self._open(name), self.keep_versions if keep_versions is None else keep_versions, min_age)
+
+    # ------------------------------------------------------------ time travel
+
+    def as_of(self, step: int | None = None, version: int | str | None = None) -> asof.PoolView:
+        """This pool as it was when learner `step` claimed its batch, or at pool-table `version`
+        (a number, or a tag such as checkpoint-v000010): pools/asof.py. PoolError when it cannot be."""
+        return asof.view(self, step=step, version=version, keep_versions=self.keep_versions)
+
+    def step_groups(self, step: int, group_ids: Sequence[str]) -> list[SampleGroup]:
+        """`group_ids` as learner `step` read them (what replay and resume train on again): rows
+        appended or stored again since do not change them. Where the pool cannot be read as of
+        that step (a pool from before steps recorded versions, or the version was cleaned up)
+        they are read as stored now, and a warning says so once."""
+        try:
+            return self.as_of(step=step).groups(group_ids)
+        except PoolError as e:
+            if not self._warned_as_of:
+                log.warning("experience pool %s: reading step %d's groups as stored now, not as the step read "
+                            "them: %s", self.uri, step, e)
+                self._warned_as_of = True
+            return self.groups(group_ids)
+
+    def versions(self) -> dict[str, int]:
+        """{table: its latest version}: what a reader caching the pool checks to know it changed."""
+        self._committer.sync()
+        return {name: self._open(name).version for name in self._uris}
+
+    def tag_checkpoint(self, policy_version: int, step: int) -> dict[str, int]:
+        """Tag checkpoint-v<policy_version> on the versions learner `step` read (pools/asof.py)."""
+        return asof.tag_checkpoint(self._open, list(self._uris), self.claims(), step, policy_version)
+
+    def untag_checkpoints(self, kept: set[int]) -> list[str]:
+        """Delete the checkpoint tags of policy versions not in `kept` (checkpoints pruned since)."""
+        return asof.untag_checkpoints(self._open, list(self._uris), kept)
 
     def fragments(self, table: str = POOL_TABLE) -> int:
         return len(self._open(table).get_fragments()) if table in self._uris else 0

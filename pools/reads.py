@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from streamrl.core.claims import CLAIM_COLUMNS, apply_claims
-from streamrl.pools.schema import CLAIMS_SCHEMA, POOL_SCHEMA, WIDE_COLUMNS
+from streamrl.pools.schema import CLAIMS_SCHEMA, POOL_SCHEMA, WIDE_COLUMNS, conform
 from streamrl.pools.sql import check_where, connect
 
 _CLAIMED = set(CLAIM_COLUMNS)
@@ -50,14 +50,14 @@ class ClaimsCache:
         with self._lock:
             if ds.version == self._version:
                 return self._table
+            stored = [c for c in CLAIMS_SCHEMA.names if c in ds.schema.names]  # older pools lack some
             if self._version is not None and ds.has_stable_row_ids:
-                new = ds.scanner(columns=CLAIMS_SCHEMA.names,
-                                 filter=f"_row_last_updated_at_version > {self._version}").to_table()
-                table = pa.concat_tables([self._table, new])
+                new = ds.scanner(columns=stored, filter=f"_row_last_updated_at_version > {self._version}").to_table()
+                table = pa.concat_tables([self._table, conform(new, CLAIMS_SCHEMA)])
                 if table.num_rows != ds.count_rows():  # rows removed behind our back: read it all
-                    table = ds.to_table(columns=CLAIMS_SCHEMA.names)
+                    table = conform(ds.to_table(columns=stored), CLAIMS_SCHEMA)
             else:
-                table = ds.to_table(columns=CLAIMS_SCHEMA.names)
+                table = conform(ds.to_table(columns=stored), CLAIMS_SCHEMA)
             self._table, self._version = table, ds.version
             return table
 

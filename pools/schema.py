@@ -57,6 +57,9 @@ one (every read through LancePool applies this), else the stored ones:
 | consumed_version    | int32  | learner version at the claim |
 | claimed_ns          | int64  | when the claim was committed |
 | ready_after_version | int64  | every group still claimable after this claim was stored after this `pool` table version (where a restarted learner starts reading) |
+| step                | int32 (null: a pool from before time travel) | the learner step whose claim made this decision (dropped groups too) |
+| pool_version        | int64 (null: idem) | the `pool` table version that claim read: the pool as of that step (pools/asof.py) |
+| admissions_version  | int64 (null: idem) | the `admissions` table version when that claim was made |
 """
 
 from __future__ import annotations
@@ -152,6 +155,9 @@ CLAIMS_SCHEMA = pa.schema(
         ("consumed_version", pa.int32()),
         ("claimed_ns", pa.int64()),
         ("ready_after_version", pa.int64()),
+        ("step", pa.int32()),
+        ("pool_version", pa.int64()),
+        ("admissions_version", pa.int64()),
     ]
 )
 
@@ -346,8 +352,20 @@ def admissions_to_table(admissions: Sequence[Admission]) -> pa.Table:
     )
 
 
-def claims_to_table(columns: dict[str, list[Any]], claimed_ns: int, ready_after_version: int | None) -> pa.Table:
-    """Claim rows from streamrl.core.claims.claim_columns, stamped with the commit's time."""
+def claims_to_table(columns: dict[str, list[Any]], claimed_ns: int, ready_after_version: int | None,
+                    read_versions: tuple[int | None, int | None] = (None, None)) -> pa.Table:
+    """Claim rows from streamrl.core.claims.claim_columns, stamped with the commit's time and the
+    (pool, admissions) table versions the claim read."""
     n = len(columns["group_id"])
     return pa.Table.from_pydict({**columns, "claimed_ns": [claimed_ns] * n,
-                                 "ready_after_version": [ready_after_version] * n}, schema=CLAIMS_SCHEMA)
+                                 "ready_after_version": [ready_after_version] * n,
+                                 "pool_version": [read_versions[0]] * n,
+                                 "admissions_version": [read_versions[1]] * n}, schema=CLAIMS_SCHEMA)
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with exactly `schema`'s columns, those it lacks all null: a claims table written
+    before a column was added reads with the current schema."""
+    n = table.num_rows
+    return pa.table([table[f.name] if f.name in table.column_names else pa.nulls(n, f.type) for f in schema],
+                    schema=schema)

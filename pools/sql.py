@@ -11,7 +11,10 @@ DuckDB loads on first use, not on import: the pool's write path imports this mod
 
 from __future__ import annotations
 
+import threading
 from typing import Any
+
+import pyarrow as pa
 
 from streamrl.pools.errors import PoolError
 
@@ -31,11 +34,12 @@ class SQLRefused(QueryError):
     """A query that is not one read-only SELECT (the message says what it is instead)."""
 
 
-def connect() -> Any:
-    """An in-memory DuckDB connection that reads only what is registered on it."""
+def connect(**limits: Any) -> Any:
+    """An in-memory DuckDB connection that reads only what is registered on it; `limits` are more
+    DuckDB settings (memory_limit, threads), fixed before the configuration is locked."""
     import duckdb
 
-    return duckdb.connect(config=dict(SANDBOX))
+    return duckdb.connect(config={**limits, **SANDBOX})
 
 
 def run(con: Any, sql: str) -> Any:
@@ -73,3 +77,50 @@ def check_where(where: str, what: str = "--where") -> None:
         check_select(f"SELECT 1 FROM pool WHERE {where}", f"{what} {where!r}")
     except duckdb.Error as e:
         raise SQLRefused(f"bad filter {where!r}: {str(e).splitlines()[0]}") from None
+
+
+FILTER_MAX_CHARS = 4000
+
+
+def check_filter(con: Any, where: str, tables: frozenset[str] = frozenset({"pool"})) -> None:
+    """`check_where`, for a filter from an untrusted caller (the viewer's HTTP API): also refuse
+    one that reads a table other than `tables`. `con` is a sandboxed connection (`connect()`):
+    finding the tables binds the query, and a file function fails there rather than reading."""
+    import duckdb
+
+    if len(where) > FILTER_MAX_CHARS:
+        raise SQLRefused(f"the filter is {len(where)} characters long; at most {FILTER_MAX_CHARS}")
+    check_where(where, "the filter")
+    try:
+        named = con.get_table_names(f"SELECT 1 FROM pool WHERE {where}")
+    except duckdb.Error as e:
+        raise SQLRefused(f"bad filter {where!r}: {str(e).splitlines()[0]}") from None
+    other = sorted(set(named) - tables)
+    if other:
+        raise SQLRefused(f"the filter reads {', '.join(other)}; it may read only the table(s) {', '.join(sorted(tables))}")
+
+
+def run_limited(con: Any, sql: str, *params: Any, timeout_s: float, max_rows: int) -> Any:
+    """`sql` (with `?` parameters) on `con` as an Arrow table of at most `max_rows` rows, interrupted
+    after `timeout_s` seconds (a QueryError says so): what an untrusted filter may cost."""
+    import duckdb
+
+    timer = threading.Timer(timeout_s, con.interrupt)
+    timer.start()
+    try:
+        reader = con.sql(sql, params=list(params) or None).to_arrow_reader(min(max_rows, 65536))
+        batches, rows = [], 0
+        for batch in reader:
+            batches.append(batch.slice(0, max_rows - rows))
+            rows += batches[-1].num_rows
+            if rows >= max_rows:
+                break
+        return pa.Table.from_batches(batches, reader.schema)
+    except duckdb.InterruptException:
+        raise QueryError(f"the query ran longer than {timeout_s:g} s and was stopped") from None
+    except duckdb.Error as e:
+        if not timer.is_alive():
+            raise QueryError(f"the query ran longer than {timeout_s:g} s and was stopped") from None
+        raise QueryError((str(e).splitlines() or [type(e).__name__])[0]) from None
+    finally:
+        timer.cancel()

@@ -272,3 +272,43 @@ def build_char_tokenizer(path: Path) -> object:
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return tok
+
+
+# ---------------------------------------------------------------- a small run directory (viewer, time travel)
+
+
+def small_run(run_dir: Path, steps: int = 4, groups_per_step: int = 2, n: int = 4) -> dict[int, list[str]]:
+    """A run directory as `streamrl run` leaves it, made in a second without a run: a pool whose
+    groups (tokens a character tokenizer decodes, two policy versions per response, some tokens
+    masked as tool output) are claimed by `steps` learner steps with appends between them, the
+    tokenizer recorded, metrics.jsonl and eval.jsonl. Returns {step: group ids it trained on}."""
+    import json
+
+    from streamrl.pools import LancePool
+
+    build_char_tokenizer(run_dir / "tokenizer" / "tokenizer.json")
+    trained: dict[int, list[str]] = {}
+    with LancePool(run_dir / "pool", compact_every=0) as pool:
+        pool.set_tokenizer(str(run_dir / "tokenizer"))
+        for step in range(steps):
+            groups = [make_group(f"s{step}g{i}", n=n, num_tokens=12, versions=(step, step + 1),
+                                 prompt_id=f"p{i}") for i in range(groups_per_step)]
+            for g in groups:
+                g.prompt_tokens = g.prompt_tokens % len(ALPHABET) + 1
+                for s in g.samples:
+                    s.response_tokens = s.response_tokens % len(ALPHABET) + 1
+                    s.metadata = {**s.metadata, "turns": 2, "tool_calls": 1}
+            pool.append(groups, admit=True)
+            b = pool.claim(step=step, learner_version=step + 1, num_groups=groups_per_step, max_staleness=4)
+            assert b is not None
+            trained[step] = sorted(g.group_id for g in b.groups)
+        pool.append([make_group(f"late{i}", n=n, versions=(steps,)) for i in range(2)], admit=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step in range(steps):
+            f.write(json.dumps({"step": step, "policy_version": step + 1, "wall_time_s": 2.0 * (step + 1),
+                                "reward_mean": 0.1 * step, "loss": 1.0 / (step + 1)}) + "\n")
+    with open(run_dir / "eval.jsonl", "w") as f:
+        for step in range(0, steps + 1, 2):
+            f.write(json.dumps({"step": step, "policy_version": step, "wall_time_s": 2.0 * step,
+                                "accuracy": 0.2 + 0.05 * step, "greedy_accuracy": 0.3}) + "\n")
+    return trained

@@ -64,6 +64,11 @@ def _pool_scale(d: dict[str, Any]) -> None:
     assert Path(d["png"]).is_file()
 
 
+def _view_scale(d: dict[str, Any]) -> None:
+    assert d["benchmark"] == "view_scale" and d["rows"] > 1000 and len(d["runs"]) == 1
+    assert d["page_bytes"] < 100_000 and d["first_view_s"]["median"] > 0  # a page, not the pool
+
+
 def _pool_processes(d: dict[str, Any]) -> None:
     assert d["commit"]["ledger_balanced"] is True and d["write_ahead"]["ledger_balanced"] is True
 
@@ -183,6 +188,7 @@ SMOKES: dict[str, Smoke] = {
     # The form issue 45 is about: --scale hung when pool_scale.py passed append_phase a Path.
     "pool_scale": Smoke(("pool_throughput.py", "--scale", "--sizes", "2000", "--rounds", "1", "--claims", "2",
                          "--dir", "{tmp}", "--png", "{tmp}/scale.png"), _pool_scale, slow=False),
+    "view_scale": Smoke(("view_scale.py", "--rows", "2000", "--runs", "1", "--dir", "{tmp}"), _view_scale),
     "pool_processes": Smoke(("pool_processes.py", "--producers", "1", "--groups", "2", "--runs", "1", *TINY_POOL),
                             _pool_processes),
     "producer_ingest": Smoke(("producer_ingest.py", "--seconds", "1", "--producers", "1", "--dir", "{tmp}"),

@@ -50,7 +50,9 @@ def test_wheel_holds_every_package_and_the_files_a_run_needs(wheel: Path) -> Non
     assert tops == {"streamrl"}, f"top-level names other than streamrl: {tops}"
     for needed in ("streamrl/core/algorithms/losses.py", "streamrl/connectors/megatron/cpu_shim.py",
                    "streamrl/plugins/tasks.py", "streamrl/recipes/quickstart.yaml", "streamrl/recipes/starter.yaml",
-                   "streamrl/recipes/starter_rewards.py", "streamrl/recipes/envs/calculator.py"):
+                   "streamrl/recipes/starter_rewards.py", "streamrl/recipes/envs/calculator.py",
+                   "streamrl/tools/view_static/index.html", "streamrl/tools/view_static/view.js",
+                   "streamrl/tools/view_static/view.css"):
         assert needed in names, needed
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "streamrl = streamrl.tools.cli:main" in entry

@@ -141,8 +141,9 @@ def not_whole(rows: pa.Table, group_ids: Iterable[str]) -> set[str]:
 
 def claim_columns(decisions: list[tuple[str, str, str | None]], step: int, learner_version: int) -> dict[str, list]:
     """Column values of the claim rows for `decisions` [(group id, 'consumed'|'dropped', reason)]:
-    consumed groups carry the step, every decision the learner version."""
+    consumed groups carry the step as `consumed_step`, every decision the step and the learner version."""
     return {
+        "step": [step] * len(decisions),
         "group_id": [g for g, _, _ in decisions],
         "status": [s for _, s, _ in decisions],
         "drop_reason": [r for _, _, r in decisions],

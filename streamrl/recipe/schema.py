@@ -209,6 +209,10 @@ class PoolCfg(_Cfg):
     commit_max_rows: PosInt = 8192  # group commit: at most this many rows in one Lance commit
     commit_linger_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0  # group commit: wait this long for company
     compact_every: NonNegInt = 64  # compact once this many small fragments accumulate; 0 = never
+    # each compaction then removes all versions of each table but the newest keep_versions, those
+    # a checkpoint tagged and those under 10 minutes old; `pool query --as-of-step N` reads the
+    # versions step N read while they are kept (docs/pool.md#time-travel); 0 = keep every version
+    keep_versions: NonNegInt = 1000
     # producers' appends return once in a per-process write-ahead log, committed to Lance behind
     # them (local pools only): 2-4x the appends/s of one producer, 2.5x for 8 producer processes;
     # other processes see rows up to ~50 ms later (docs/pool.md)

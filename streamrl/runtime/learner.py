@@ -37,7 +37,7 @@ from streamrl.core.algorithms.objective import Choice
 from streamrl.core.staleness import claimed_per_step, decide, mask_stale_tokens
 from streamrl.core.types import Batch, SampleGroup, from_msgpack, to_msgpack
 from streamrl.plugins.filters import top_by_reward_std
-from streamrl.pools import open_pool
+from streamrl.pools import PoolError, open_pool
 from streamrl.recipe import Recipe, learner_layout, resolve_fn
 from streamrl.runtime import faultpoint
 
@@ -279,13 +279,15 @@ class LearnerDriver(WeightSource):
             self.last_step, self.last_metrics = step, m
         return m
 
-    def retrain(self, step: int, group_ids: list[str], max_staleness: int) -> dict[str, Any]:
-        """Train on the groups a past step consumed, as that step did (resume, replay)."""
+    def retrain(self, step: int, group_ids: list[str], max_staleness: int, as_read: bool = True) -> dict[str, Any]:
+        """Train on the groups a past step consumed, as that step did (resume, replay). `as_read`:
+        they are the groups `step` consumed, read as that step read them; False for other groups
+        (`replay --where`), read as stored now."""
         if self.rank != 0:
             self._train(step, self._share(None) or [])
             return {}
         assert self.pool is not None
-        groups = batch_order(self.pool.groups(group_ids))
+        groups = batch_order(self.pool.step_groups(step, group_ids) if as_read else self.pool.groups(group_ids))
         missing = set(group_ids) - {g.group_id for g in groups}
         if missing:
             raise RuntimeError(f"step {step}: groups {sorted(missing)[:3]} are not in the pool")
@@ -348,8 +350,20 @@ class LearnerDriver(WeightSource):
             # driver logs them, and resume starts after this step (Services._restore writes them back).
             extra = {**extra, "step": step, "step_metrics": self.last_metrics,
                      "nonfinite_skipped_total": self.learner.nonfinite_skipped}
+            if self.pool is not None:  # the pool as this step read it stays readable while the checkpoint exists
+                try:
+                    extra["pool_versions"] = self.pool.tag_checkpoint(self.version, step)
+                except (PoolError, OSError, ValueError) as e:  # a missing tag costs time travel, not the checkpoint
+                    warnings.warn(f"checkpoint of version {self.version}: the pool versions it read were not tagged "
+                                  f"({e}); `pool query --as-of-step {step}` may not find them after a cleanup",
+                                  stacklevel=1)
             path = megatron_checkpoint.save_checkpoint(self.learner, root, extra=extra,
                                    keep_last=self.r.run.keep_checkpoints or None)
+            if self.pool is not None and self.r.run.keep_checkpoints:  # pruned checkpoints free their versions
+                try:
+                    self.pool.untag_checkpoints({v for v, _ in megatron_checkpoint.list_checkpoints(root)})
+                except (PoolError, OSError, ValueError) as e:
+                    warnings.warn(f"the pool tags of pruned checkpoints stay ({e}): their versions are kept", stacklevel=1)
             return {"path": str(path), "step": step, "version": self.version}
 
     def close(self) -> None:

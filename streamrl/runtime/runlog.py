@@ -28,14 +28,14 @@ def now_ns() -> int:
     return time.time_ns()
 
 
-def _clean(v: Any) -> Any:
+def json_safe(v: Any) -> Any:
     """JSON has no NaN/inf: write null instead (a step with no scored sample has no reward mean)."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_clean(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
@@ -54,12 +54,12 @@ class RunLog:
             os.close(fd)
 
     def metrics(self, row: dict[str, Any]) -> None:
-        self._append("metrics.jsonl", json.dumps(_clean(row), sort_keys=False).encode())
+        self._append("metrics.jsonl", json.dumps(json_safe(row), sort_keys=False).encode())
         if self.mirror is not None:
             self.mirror.metrics(row)
 
     def eval(self, row: dict[str, Any]) -> None:
-        self._append("eval.jsonl", json.dumps(_clean(row)).encode())
+        self._append("eval.jsonl", json.dumps(json_safe(row)).encode())
         if self.mirror is not None:
             self.mirror.eval(row)
 

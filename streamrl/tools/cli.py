@@ -51,6 +51,8 @@ EPILOG = """examples:
   streamrl produce serve runs/quickstart                     # external producers submit groups over HTTP
   streamrl pool stats runs/quickstart --json
   streamrl pool query runs/quickstart "SELECT status, count(*) FROM pool GROUP BY 1"
+  streamrl pool query runs/quickstart --as-of-step 40 "SELECT count(*) FROM pool WHERE consumed_step = 40"
+  streamrl view runs/quickstart                              # browse the run and its samples (127.0.0.1, token URL)
   streamrl pool show runs/quickstart <GROUP_ID>
   streamrl pool export runs/quickstart out.parquet --where "status = 'consumed'"
   streamrl pool export runs/quickstart pairs --kind dpo --format hf   # DPO pairs: datasets.load_dataset("pairs")
@@ -122,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("replay", help="train past steps again from the pool; compare losses and grad norms",
                         description="Re-train steps of RUN_DIR on exactly the groups they consumed (the pool records "
-                                    "the step), starting from the newest checkpoint at or before the first step, and "
+                                    "the step and the pool version its claim read, so later appends and compactions "
+                                    "do not change them), starting from the newest checkpoint at or before the first step, and "
                                     "print the loss and grad norm the run logged next to the replayed ones (identical "
                                     "on CPU). --where re-trains a SQL-selected set of groups instead, in batches of "
                                     "rollout.groups_per_step. The learner runs in this process; the pool is not "
@@ -214,6 +217,34 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     pv.add_argument("--port", type=int, help="port (default producer_api.port; 0 = any free port)")
     pv.add_argument("--quiet", action="store_true", help="no start-up line, refusals only in logs/producer.log")
 
+    vw = sub.add_parser(
+        "view", help="browse a run in a web page: run at a glance, samples by SQL filter, tokens by version",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a local web page over RUN_DIR (or a pool URI, also on S3; read-only): reward, length, "
+                    "staleness and accuracy against step and time and the ledger; a sample browser filtered by SQL "
+                    "(the --where of `pool query`), step, version and reward; one sample's tokens coloured by the "
+                    "policy version that sampled them (hover: version, log-probs, advantage, loss mask), agent turns "
+                    "and tool output apart; a group side by side; a prompt across versions. It listens on 127.0.0.1 "
+                    "only and prints a URL with a random token, which every request needs (like Jupyter). Pages "
+                    "stream from the pool: the browser never holds more than a page of samples. Nothing is loaded "
+                    "from the network.",
+        epilog="""examples:
+  streamrl view runs/quickstart                       # open the printed http://127.0.0.1:PORT/?token=... URL
+  streamrl view runs/quickstart --as-of-step 40       # start at the pool as step 40 read it (the page can change it)
+  streamrl view runs/quickstart --html report.html --where "status = 'consumed' AND reward > 0"
+  ssh -L 8765:127.0.0.1:8765 cluster-head streamrl view runs/big --port 8765   # from another machine""")
+    vw.add_argument("run_dir", help="run directory, or a pool URI (s3://...)")
+    vw.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default 0: any free port)")
+    vw.add_argument("--as-of-step", type=int, metavar="N",
+                    help="the pool as learner step N read it (see `pool query --help`): the page opens there "
+                         "(its as-of box changes it), the --html report holds it")
+    vw.add_argument("--html", metavar="FILE",
+                    help="write a static, self-contained report to FILE instead of serving: the summary and up to "
+                         "--samples samples (with their groups and prompts) to share; no server, no token")
+    vw.add_argument("--where", metavar="SQL", help="with --html: the samples the report holds (SQL over the pool's "
+                                                   "scalar columns, as `pool query` sees them)")
+    vw.add_argument("--samples", type=int, default=200, help="with --html: at most this many samples (default 200)")
+
     pool = sub.add_parser("pool", help="inspect an experience pool (stats, query, show, export)")
     ps = pool.add_subparsers(dest="pool_cmd", required=True, metavar="ACTION")
     st = ps.add_parser("stats", help="rows/groups by status, versions, staleness, rewards, ledger",
@@ -221,6 +252,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
                                    "document described in docs/pool.md; `ledger.lost` and `ledger.duplicated` must be 0.")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    _as_of_args(st)
     q = ps.add_parser("query", help="DuckDB SQL over the pool (tables `pool`, `admissions`, `claims`)",
                       description="Run one SELECT over the pool, read-only (no COPY, ATTACH, INSTALL, LOAD or file "
                                   "functions). Only the columns the query names are read, so avoid "
@@ -230,6 +262,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     fmt = q.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
     fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
+    _as_of_args(q)
     xp = ps.add_parser("experts", help="MoE routing: how often each expert was chosen, per policy version and layer",
                        description="Count the routed experts the pool stores (rollout.routing) per policy version, "
                                    "layer and expert: `chosen` times and `share` of that version and layer's choices. "
@@ -243,6 +276,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
     sh.add_argument("run_dir")
     sh.add_argument("group_id")
     sh.add_argument("--tokenizer", help="tokenizer.json or model dir (default: the one recorded in the pool)")
+    _as_of_args(sh)
     ex = ps.add_parser(
         "export", help="write selected samples for SFT, rejection sampling, DPO or sharing (parquet, jsonl, hf)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -278,6 +312,18 @@ examples:
                                         "run recorded)")
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _as_of_args(p: argparse.ArgumentParser) -> None:
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--as-of-step", type=int, metavar="N",
+                      help="read the pool as learner step N read it when it claimed its batch: the pool table at "
+                           "the version that claim read, with the claims of steps 0..N (so consumed_step = N "
+                           "selects exactly what step N trained on); works after later appends and compactions "
+                           "while that version is kept (pool.keep_versions, checkpoint tags: docs/pool.md)")
+    when.add_argument("--version", metavar="V",
+                      help="read the pool table at Lance version V (a number, or a tag such as checkpoint-v000010 "
+                           "that a checkpoint made), with the claims made on versions <= V")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,6 +420,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                        weight_version=args.weight_version, seed=args.seed, threads=args.threads,
                        weights_root=args.weights_root or args.model)
         return 0
+    if args.cmd == "view":
+        return _view(args)
     if args.cmd == "produce":
         try:
             api_process.serve(args.run_dir, host=args.host, port=args.port, quiet=args.quiet)
@@ -381,6 +429,25 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
         return 0
     return _pool_cmd(args)
+
+
+def _view(args: argparse.Namespace) -> int:
+    # The viewer (aiohttp, torch for the advantages it shows) loads for `streamrl view` alone.
+    from streamrl.tools import view
+
+    if not args.html and args.where:
+        raise UsageError("--where goes with --html (the page itself has a filter box)")
+    try:
+        if args.html:
+            n = view.write_html(args.run_dir, args.html, view.Page(where=args.where), args.as_of_step, args.samples)
+            print(f"wrote {args.html}: {n} samples" + (f" where {args.where}" if args.where else ""))
+        else:
+            view.serve(args.run_dir, args.port, args.as_of_step)
+    except view.ViewError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot serve or write ({e.strerror or e})") from None
+    return 0
 
 
 def _from_slime(args: argparse.Namespace) -> int:
@@ -417,10 +484,22 @@ def _check_engine_host(host: str) -> None:
                          "or serve on 127.0.0.1")
 
 
+def _as_of(pool: Any, args: argparse.Namespace) -> Any:
+    """The pool, or a view of it as of --as-of-step / --version (said on stderr, so stdout stays data)."""
+    step, version = getattr(args, "as_of_step", None), getattr(args, "version", None)
+    if step is None and version is None:
+        return pool
+    view = pool.as_of(step=step, version=int(version) if version and version.isdigit() else version)
+    print(f"streamrl: reading {view.uri} {view.at.label()}", file=sys.stderr)
+    return view
+
+
 def _pool_cmd(args: argparse.Namespace) -> int:
-    pool = open_pool(args.run_dir)
+    pool = _as_of(open_pool(args.run_dir), args)
     if args.pool_cmd == "stats":
         stats = pi.pool_stats(pool)
+        if getattr(pool, "at", None) is not None:
+            stats["as_of"] = {"step": pool.at.through_step, "pool_version": pool.at.pool_version}
         if args.json:
             print(json.dumps(stats, indent=2))
         else:

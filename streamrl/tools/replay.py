@@ -6,7 +6,9 @@
 `--steps A-B` starts from the newest checkpoint saved before step A was trained (its meta.json
 records the last step it holds; with none, from the run's starting weights, as step 0 was),
 trains the steps between it and A again without printing them, then steps A..B, each on exactly the
-groups it consumed (the pool records the step), and prints the loss and grad norm the run logged
+groups it consumed (the pool records the step), read as that step read them (the pool table
+version its claim recorded, pools/asof.py: later appends, compactions and groups stored again do
+not change them), and prints the loss and grad norm the run logged
 next to the replayed ones. On CPU, with the run's recipe, they are identical.
 
 `--where SQL` selects groups with a filter over one row per group (columns: GROUP_COLUMNS) and
@@ -169,7 +171,7 @@ def replay_where(run_dir: str | Path, where: str, progress: bool = True,
     k, rows = r.rollout.groups_per_step, []
     for i in tqdm(range(0, len(groups), k), desc="replay", unit="batch", disable=not progress):
         chunk = groups[i:i + k]
-        m = drv.retrain(s0 + i // k, [g["group_id"] for g in chunk], r.max_staleness)
+        m = drv.retrain(s0 + i // k, [g["group_id"] for g in chunk], r.max_staleness, as_read=False)
         steps = sorted({g["consumed_step"] for g in chunk if g["consumed_step"] is not None})
         rows.append({"batch": i // k, "groups": len(chunk), "loss": m.get("loss"), "grad_norm": m.get("grad_norm"),
                      "reward_mean": m["reward_mean"], "start_version": v0, "orig_steps": steps,
