@@ -14,6 +14,12 @@ Prints ONE JSON object: {"benchmark": "gpu_check", "mode": "cuda"|"cpu", "ok", "
   engine             the embedded engine (engine_core.EngineCore) on CUDA, greedy and sampled: each token's
                      log-prob vs a teacher-forced transformers forward on the same device (< 1e-3); tokens/s
   engine_cpu_parity  (CUDA only) the greedy requests on the CPU engine: same tokens, largest log-prob diff
+  engine_moe         the embedded engine on a tiny Qwen3-MoE (model_kit tiny-moe) capturing routed experts
+                     (return_routed_experts): every position's experts vs transformers' router top-k on the
+                     same device, as sets; SGLang's row count (prompt + output - 1)
+  learner_moe        MegatronLearner.rl_step on tiny-moe with routing replay, the engine's routing (from
+                     engine_moe's way: transformers' top-k) on every sample: routing_mismatch must be 0;
+                     step s, memory
 
 --cpu (or no GPU): every check on the CPU; the CUDA-only ones are skipped with the reason. Exit 0 when
 no check failed. In a bare checkout (the device machine) `streamrl.connectors` is found below.
@@ -55,7 +61,7 @@ except ModuleNotFoundError:
 RESULT = "GPU_CHECK_RESULT "  # the line a child prints its result on
 PACKAGES = ("torch", "transformers", "tokenizers", "megatron-core", "mbridge", "msgspec", "numpy", "sglang")
 DEFAULT_LIMITS = {"learner_fp32_cpu": 120, "learner_fp32": 120, "learner_bf16": 120, "weight_group": 60,
-                  "engine": 90, "engine_cpu_parity": 60}
+                  "engine": 90, "engine_cpu_parity": 60, "engine_moe": 90, "learner_moe": 120}
 
 
 def log(msg: str) -> None:
@@ -242,15 +248,105 @@ def child_engine(device: str, work: Path, new_tokens: int) -> dict[str, Any]:
     return out
 
 
+def _router_topk(model: Any, tokens: list[int], device: str) -> torch.Tensor:
+    """[len(tokens), layers, top_k] each transformers MoE router's choice in one plain forward."""
+    got: dict[int, torch.Tensor] = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out, li=li: got.__setitem__(li, out[2]))
+             for li, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([tokens], device=device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([got[li].cpu() for li in range(len(got))], 1)
+
+
+def child_engine_moe(device: str, work: Path, new_tokens: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.connectors.megatron.model_kit import init_model_dir
+    from streamrl.connectors.sglang.engine_core import EngineCore, routed_rows
+
+    _need(device)
+    model_dir = init_model_dir(work / "moe", "tiny-moe", seed=0)
+    core = EngineCore(model_dir, max_running=16, device=device, seed=0)
+    loop = threading.Thread(target=core.run, daemon=True)
+    loop.start()
+    prompts = [[5 + i, 17, 42 + i, 99, 7] for i in range(8)]
+    try:
+        reqs, wall = _generate(core, loop, prompts, new_tokens, temperature=1.0, sampling_seed=0, routed_experts=True)
+    finally:
+        core.stop()
+        loop.join(timeout=30)
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    differ = rows = 0
+    for r in reqs:
+        got = routed_rows(r, 0)
+        if got is None or len(got) != len(r.input_ids) + len(r.output_ids) - 1:
+            raise RuntimeError(f"request {r.rid}: {None if got is None else len(got)} routing rows, expected "
+                               f"{len(r.input_ids) + len(r.output_ids) - 1}")
+        want = _router_topk(ref, r.input_ids + r.output_ids, device)[: len(got)]
+        differ += int((got.cpu().sort(-1).values != want.sort(-1).values).any(-1).sum())
+        rows += got.shape[0] * got.shape[1]
+    out = {"device": str(core.device), "requests": len(reqs), "routed_rows": rows,
+           "rows_differing_from_reference": differ, "sampled_tokens_per_s": round(len(reqs) * new_tokens / wall, 1)}
+    if differ > rows * 0.01:  # near-ties may flip between kernels; more is a capture bug
+        raise RuntimeError(f"routing differs from transformers' router on {differ} of {rows} (position, layer): {out}")
+    return out
+
+
+def child_learner_moe(device: str, work: Path, steps: int) -> dict[str, Any]:
+    from argparse import Namespace
+
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_single_process
+    from streamrl.connectors.megatron.model_kit import init_model_dir
+
+    from benchmarks._learner import make_batch
+
+    _need(device)
+    model_dir = init_model_dir(work / "moe", "tiny-moe", seed=0)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    batch = make_batch(Namespace(samples=16, group_size=4, prompt_len=16, response_len=64, longtail=False), vocab)
+    for s in batch:  # what the engine would send: the routing of every position but the last
+        s.routed_experts = _router_topk(ref, [*s.prompt, *s.response], "cpu")[:-1].to(torch.int32).numpy()
+    init_single_process()
+    mg = MegatronLearner(model_dir, lr=1e-6, grad_clip=1.0, micro_batch_size=8, routing_replay=True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    stats, times = [], []
+    for _ in range(steps + 1):
+        sync()
+        t = time.perf_counter()
+        stats.append(mg.rl_step(batch, RLConfig()))
+        sync()
+        times.append(time.perf_counter() - t)
+    if any(s["routing_mismatch"] != 0 for s in stats):
+        raise RuntimeError(f"replayed routing differs from the engine's: {[s['routing_mismatch'] for s in stats]}")
+    if not all(math.isfinite(float(s["loss"])) for s in stats):
+        raise RuntimeError(f"non-finite loss: {[s['loss'] for s in stats]}")
+    med = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+    return {"device": str(mg.device), "routing_mismatch": stats[0]["routing_mismatch"],
+            "routing_own_mismatch_first": stats[0]["routing_own_mismatch"], "first_loss": float(stats[0]["loss"]),
+            "step_s_median": round(med, 4), "max_memory_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1)
+            if device == "cuda" else None}
+
+
 def run_child(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     try:
-        if args.child.startswith("learner"):
+        if args.child == "learner_moe":
+            out = child_learner_moe(args.device, work, args.steps)
+        elif args.child.startswith("learner"):
             out = child_learner(args.device, args.dtype, work, args.steps)
         elif args.child == "weight_group":
             out = child_weight_group(args.device)
         elif args.child == "engine":
             out = child_engine(args.device, work, args.new_tokens)
+        elif args.child == "engine_moe":
+            out = child_engine_moe(args.device, work, args.new_tokens)
         else:
             raise SystemExit(f"unknown child {args.child!r}")
     finally:
@@ -358,6 +454,10 @@ def main() -> None:
         "engine_cpu_parity": lambda: run_check("engine_cpu_parity", ["engine", "--device", "cpu", *common],
                                                lim["engine_cpu_parity"], no_gpu) if cuda
         else skipped(f"compares the CUDA engine with the CPU one ({why_cpu})"),
+        "engine_moe": lambda: run_check("engine_moe", ["engine_moe", "--device", dev, *common], lim["engine_moe"],
+                                        None if cuda else no_gpu),
+        "learner_moe": lambda: run_check("learner_moe", ["learner_moe", "--device", dev, *common], lim["learner_moe"],
+                                         None if cuda else no_gpu),
     }
     names = list(plan) + ["learner_agreement"]
     if args.only and (bad := set(args.only) - set(names)):

@@ -104,7 +104,7 @@ def _learner_step(d: dict[str, Any]) -> None:
 
 
 GPU_CHECKS = {"learner_fp32_cpu", "learner_fp32", "learner_agreement", "learner_bf16", "weight_group", "engine",
-              "engine_cpu_parity"}
+              "engine_cpu_parity", "engine_moe", "learner_moe"}
 
 
 def _gpu_check_shape(d: dict[str, Any]) -> None:
@@ -124,6 +124,8 @@ def _gpu_check(d: dict[str, Any]) -> None:
     assert c["learner_fp32_cpu"]["status"] == "ok" and c["learner_fp32_cpu"]["param_dtype"] == "float32", c
     assert c["weight_group"]["status"] == "ok" and c["weight_group"]["sha256_equal"] is True, c
     assert c["engine"]["status"] == "ok" and c["engine"]["max_logprob_diff_vs_reference"] < 1e-3, c
+    assert c["engine_moe"]["status"] == "ok" and c["engine_moe"]["rows_differing_from_reference"] == 0, c
+    assert c["learner_moe"]["status"] == "ok" and c["learner_moe"]["routing_mismatch"] == 0.0, c
     for name in ("learner_fp32", "engine_cpu_parity", "learner_agreement"):
         assert c[name]["status"] == "skipped", (name, c[name])
     assert c["learner_bf16"]["status"] in ("ok", "skipped"), c["learner_bf16"]  # skipped where learner.dtype is not
