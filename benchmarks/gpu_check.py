@@ -23,6 +23,9 @@ Prints ONE JSON object: {"benchmark": "gpu_check", "mode": "cuda"|"cpu", "ok", "
 
 --cpu (or no GPU): every check on the CPU; the CUDA-only ones are skipped with the reason. Exit 0 when
 no check failed. In a bare checkout (the device machine) `streamrl.connectors` is found below.
+
+Long file: the device machine runs this one script, each check a child process of itself, so the
+checks and the parent that times them out live together.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="3 steps, 1 repeat, SFT 50 steps (a smoke run)")
+    ap.add_argument("--only", choices=("replay", "no_replay"), help="run one side only")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every run")
     a = ap.parse_args()
@@ -74,6 +75,8 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"replay": [], "no_replay": []}
     for i in range(repeats):
         for label, replay in (("replay", True), ("no_replay", False)):
+            if a.only and label != a.only:
+                continue
             r = msgspec.structs.replace(
                 base, sft=None, model=msgspec.structs.replace(base.model, path=str(model), init=None),
                 run=msgspec.structs.replace(base.run, steps=steps, checkpoint_every=0, eval_every=0,
@@ -87,6 +90,8 @@ def main() -> None:
                                           "rl_wall_s", "staleness_mean")}}
             runs[label].append(got)
             print(f"[{label} {i + 1}/{repeats}] {got}", file=sys.stderr, flush=True)
+
+    runs = {lb: got for lb, got in runs.items() if got}
 
     def med(label: str, k: str) -> float:
         return statistics.median(x[k] for x in runs[label])
