@@ -40,7 +40,8 @@ class TokenBatch:
         self.resp_lens = [len(r) for _, r in rows]
         self.routing: torch.Tensor | None = None
         self.routing_known: torch.Tensor | None = None
-        given = [(i, torch.as_tensor(x, dtype=torch.long)) for i, x in enumerate(routing or []) if x is not None]
+        given = [(i, torch.tensor(x, dtype=torch.long)) for i, x in enumerate(routing or []) if x is not None]  # a copy:
+        # the pool's arrays are read-only views
         if given:
             shape = given[0][1].shape[1:]
             self.routing = torch.zeros(len(rows), t, *shape, dtype=torch.long)
