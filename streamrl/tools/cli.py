@@ -259,9 +259,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
                                   "SELECT * on big pools. Schema: pools/schema.py.")
     q.add_argument("run_dir")
     q.add_argument("sql")
-    fmt = q.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
-    fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
+    _table_format_args(q)
     _as_of_args(q)
     xp = ps.add_parser("experts", help="MoE routing: how often each expert was chosen, per policy version and layer",
                        description="Count the routed experts the pool stores (rollout.routing) per policy version, "
@@ -269,9 +267,7 @@ SDK: streamrl.producers.sdk.ProducerClient.from_run_dir(RUN_DIR, "my-env")""")
                                    "A position counts under the version that generated the token after it.")
     xp.add_argument("run_dir")
     xp.add_argument("--where", help="SQL filter on sample rows, e.g. \"status = 'consumed'\"")
-    xfmt = xp.add_mutually_exclusive_group()
-    xfmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
-    xfmt.add_argument("--csv", action="store_true", help="CSV with a header row")
+    _table_format_args(xp)
     sh = ps.add_parser("show", help="one group: decoded text, versions, rewards")
     sh.add_argument("run_dir")
     sh.add_argument("group_id")
@@ -312,6 +308,13 @@ examples:
                                         "run recorded)")
     ex.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def _table_format_args(p: argparse.ArgumentParser) -> None:
+    """--json / --csv for a command that prints a table (a rich table by default)."""
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="a JSON array of row objects")
+    fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
 
 
 def _as_of_args(p: argparse.ArgumentParser) -> None:
