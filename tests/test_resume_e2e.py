@@ -6,7 +6,8 @@ lost or trained on twice, and that groups saved as `partial` before the kill wer
 Moments: mid-broadcast (engines paused, new weights not yet pushed), mid-checkpoint (files
 written to the temporary directory, not yet renamed into place), and a random moment between
 steps with a tensor-parallel learner (two ranks, sharded checkpoints; replayed by the same layout: the
-random kill of a one-process learner takes the same paths and was dropped to keep CI short). The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/runtime/faultpoint.py),
+random kill of a one-process learner takes the same paths and was dropped to keep CI short), and
+mid-broadcast again with the pool on S3 and with a mixture-of-experts learner (ep 2, routing replay). The run freezes itself at the first two (`STREAMRL_FREEZE_AT`, streamrl/runtime/faultpoint.py),
 so the kill lands exactly there.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from moekit import moe_model_dirs
 from streamkit import (
     RUN_TIMEOUT_S,
     assert_ledger_balanced,
@@ -58,7 +60,10 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
 
 # publish:4 freezes in step 3's publish: the checkpoint "after step 2" usually holds step 3 (trained meanwhile).
 # publish:4-s3: the same with the pool on a local S3-compatible server (benchmarks/_s3.py, issue 17).
-@pytest.mark.parametrize("moment", ["publish:4", "checkpoint.files:2", "random-tp2", "sigint", "publish:4-s3"])
+# publish:4-moe: the same on a tiny Qwen3-MoE with expert parallelism 2 and routing replay: the
+# interrupted groups' routed experts are stitched across the kill and every step replays exactly.
+@pytest.mark.parametrize("moment", ["publish:4", "checkpoint.files:2", "random-tp2", "sigint", "publish:4-s3",
+                                    "publish:4-moe"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str, request: pytest.FixtureRequest) -> None:
     run_dir = tmp_path / "run"
@@ -67,6 +72,10 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         server = request.getfixturevalue("s3_server")  # credentials in the environment, the endpoint in the recipe
         s3 = {"pool.uri": server.new_uri(), "pool.storage_options": server.storage_options}
         moment = moment.removesuffix("-s3")
+    moe = moment.endswith("-moe")
+    if moe:
+        tiny_model = moe_model_dirs(tmp_path / "models", [0])[0]
+        moment = moment.removesuffix("-moe")
     recipe = write_recipe(tmp_path, tiny_model, task_data["train"], {
         "run.steps": STEPS, "run.checkpoint_every": EVERY, "run.keep_checkpoints": 0,
         # Long responses and an engine that decodes 1 at a time: generation is several times slower
@@ -75,7 +84,8 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         # and a publish found nothing in flight; with 64 and 2 at a time it still did on a loaded
         # machine (CI of 2026-11-28: staleness capacity full at the 4th publish): now 1 at a time.
         "rollout.max_new_tokens": 64, "rollout.groups_per_step": 3, "engines.max_running": 1,
-        "engines.weight_sync": "distributed", **({"learner.parallel.tp": 2} if moment.endswith("tp2") else {}), **s3})
+        "engines.weight_sync": "distributed", **({"learner.parallel.tp": 2} if moment.endswith("tp2") else {}),
+        **({"learner.parallel.dp": 2, "learner.parallel.ep": 2} if moe else {}), **s3})
     env = {} if moment.startswith("random") or moment == "sigint" else {"STREAMRL_FREEZE_AT": moment}
     proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
     if moment == "sigint":
@@ -136,6 +146,9 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         # (it trained while the previous publish checkpointed): its row comes back from the checkpoint.
         assert last[ck].get("from_checkpoint"), last[ck]
     assert "differ slightly" not in run_log(run_dir), "re-training after the checkpoint must give the same losses"
+    if moe:  # every trained token of every step, before and after the kill, went to the engine's experts
+        assert all(last[s]["routing_mismatch"] == 0 and last[s]["routing_missing_rows"] == 0 for s in last), \
+            [(s, last[s]["routing_mismatch"], last[s]["routing_missing_rows"]) for s in last]
 
     stats = assert_ledger_balanced(run_dir)  # `streamrl pool stats --json`
     if s3:
