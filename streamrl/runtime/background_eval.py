@@ -41,6 +41,7 @@ import ray
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.connectors.sglang.launcher import EngineLauncher
+from streamrl.core.evalstats import with_ci
 from streamrl.plugins.data import PromptRecord
 from streamrl.recipe import Recipe
 from streamrl.runtime.evaluate import evaluate
@@ -181,8 +182,8 @@ class BackgroundEval:
                               f"{res['engine_versions']}, not only {v}")
             self.rows.append(row)
             self.log.eval(row)
-            self.log.info(f"background eval at version {v}: accuracy {res['accuracy']:.3f} "
-                          f"(greedy {res['greedy_accuracy']:.3f}) over {res['prompts']} prompts "
+            self.log.info(f"background eval at version {v}: accuracy {with_ci(res, 'accuracy')} "
+                          f"(greedy {with_ci(res, 'greedy_accuracy')}) over {res['prompts']} prompts "
                           f"in {res['eval_s']:.1f}s")
         except asyncio.CancelledError:
             if path is None:

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from streamrl.connectors.sglang.client import SGLangClient
+from streamrl.core.evalstats import accuracy_report
 from streamrl.plugins.data import PromptRecord
 from streamrl.plugins.rewards import RewardHub
 from streamrl.plugins.slime import reward_hub
@@ -57,9 +58,7 @@ async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRec
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(one(r) for r in records))
-    n = max(1, len(res))
-    return {"accuracy": sum(a for a, _ in res) / n, "greedy_accuracy": sum(g for _, g in res) / n,
-            "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),
+    return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),
             "eval_s": time.perf_counter() - t0}
 
 
@@ -99,7 +98,5 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
         await proxy.close()
         if isinstance(env, SlimeGenerateHub):
             await env.close()
-    n = max(1, len(res))
-    return {"accuracy": sum(a for a, _ in res) / n, "greedy_accuracy": sum(g for _, g in res) / n,
-            "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),
+    return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),
             "eval_s": time.perf_counter() - t0}

@@ -11,6 +11,7 @@ from typing import Any
 
 from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.core import staleness
+from streamrl.core.evalstats import with_ci
 from streamrl.core.types import BatchClaimed
 from streamrl.runtime import RunFailed
 from streamrl.runtime.evaluate import eval_due, evaluate
@@ -185,8 +186,8 @@ class Steps:
         row = {"policy_version": served, "step": step, "wall_time_s": wall, "mode": "inline", **res}
         self.evals.append(row)
         self.log.eval(row)
-        self.log.info(f"eval at version {served}: accuracy {res['accuracy']:.3f} "
-                      f"(greedy {res['greedy_accuracy']:.3f}) over {res['prompts']} prompts")
+        self.log.info(f"eval at version {served}: accuracy {with_ci(res, 'accuracy')} "
+                      f"(greedy {with_ci(res, 'greedy_accuracy')}) over {res['prompts']} prompts")
         return row
 
 

@@ -22,6 +22,7 @@ from rich.text import Text
 from streamrl.connectors.auth import ADMIN_KEY_ENV, API_KEY_ENV, Keys
 from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir
 from streamrl.connectors.ports import is_loopback, is_wildcard
+from streamrl.core.evalstats import with_ci
 from streamrl.connectors.sglang.engine_process import serve_embedded
 from streamrl.pools import PoolError, open_pool
 from streamrl.pools import queries as pi
@@ -548,8 +549,9 @@ def _print_summary(s: dict[str, Any]) -> None:
           f"({s['samples_per_s']:.1f} samples/s; set-up {s['setup_s']:.0f}s), max staleness {s['staleness_max']}, "
           f"engine restarts {s['engine_restarts']}")
     if b and a:
-        print(f"held-out accuracy: {b['accuracy']:.3f} -> {a['accuracy']:.3f} (sampled, {a['samples_per_prompt']} per "
-              f"prompt); greedy {b['greedy_accuracy']:.3f} -> {a['greedy_accuracy']:.3f}")
+        print(f"held-out accuracy: {with_ci(b, 'accuracy')} -> {with_ci(a, 'accuracy')} (sampled, "
+              f"{a['samples_per_prompt']} per prompt; ± 95% interval over {a['prompts']} prompts); "
+              f"greedy {with_ci(b, 'greedy_accuracy')} -> {with_ci(a, 'greedy_accuracy')}")
     print(f"trained model: {s['model']}; metrics: {s['run_dir']}/metrics.jsonl; "
           f"pool: streamrl pool stats {s['run_dir']}")
 
