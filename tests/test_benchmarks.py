@@ -25,9 +25,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks import background_eval, off_policy
+from benchmarks import background_eval, off_policy, time_to_accuracy
 from streamrl.connectors.megatron.model_kit import init_model_dir
 from streamrl.plugins.tasks import write_task
+from streamrl.runtime.runlog import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -219,11 +220,12 @@ SMOKES: dict[str, Smoke] = {
                             env={"TMPDIR": "{short_tmp}"}, prepare=lambda root: tiny_quickstart(root, "tiny-moe")),
 }
 # A whole `streamrl run` costs 20-45 s on this 2-core machine (stream_vs_lockstep's form above runs one);
-# these two would add one or two more (off_policy's loop over corrections is stream_vs_lockstep's;
-# background_eval starts `streamrl run` subprocesses): over the ~150 s the suite grants all smoke runs.
+# these three would add one or two more (off_policy's loop over corrections is stream_vs_lockstep's;
+# background_eval starts `streamrl run` subprocesses; time_to_accuracy's runs are stream_vs_lockstep's
+# with background evaluations): over the ~150 s the suite grants all smoke runs.
 # Their smoke forms run in this process instead: the argument parser on tiny flags and the reports
 # they build from a run directory (test_report_only_benchmarks below).
-REPORT_ONLY = ("off_policy", "background_eval")
+REPORT_ONLY = ("off_policy", "background_eval", "time_to_accuracy")
 
 
 def benchmark_modules() -> dict[str, Path]:
@@ -320,6 +322,28 @@ def test_report_only_benchmarks(name: str, tmp_path: Path) -> None:
         assert rep["options"]["tis"]["accuracy_gain_median"] == 0.5
         off_policy.plot(rep, tmp_path / "off_policy.png")
         assert (tmp_path / "off_policy.png").stat().st_size > 0
+    elif name == "time_to_accuracy":
+        a = time_to_accuracy.parse_args(["--quickstart", "--repeats", "2", "--modes", "lockstep,stream"])
+        assert a.modes == ["lockstep", "stream"] and a.recipe == "recipes/quickstart.yaml"
+        for bad in (["--modes", "nope"], ["--modes", "stream"]):  # unknown mode; no lockstep and no --target
+            with pytest.raises(SystemExit):
+                time_to_accuracy.parse_args(bad)
+        fast = time_to_accuracy.curve(read_jsonl(run_dir / "eval.jsonl"), samples_per_step=4)
+        assert [(p["version"], p["wall_s"], p["samples"], p["accuracy"]) for p in fast] == [
+            (0, 0.0, 0, 0.0), (2, 0.5, 8, 0.5), (3, 1.0, 12, 0.5)]
+        slow = [{**p, "wall_s": 3 * p["wall_s"], "accuracy": p["accuracy"] * 0.8} for p in fast]
+        # lockstep's median final accuracy is 0.4: its slow runs reach it at version 2 (1.5 s), stream's
+        # runs at their version 2 (0.5 s); a target most runs never reach gives None
+        rep = time_to_accuracy.summarize({"lockstep": [slow, slow, fast], "stream": [fast, fast, fast]}, None)
+        assert rep["target_accuracy"] == pytest.approx(0.4)
+        assert rep["time_to_target_runs_s"]["lockstep"] == [1.5, 1.5, 0.5]
+        assert rep["time_to_target_s"] == {"lockstep": 1.5, "stream": 0.5}
+        assert rep["speedup_vs_lockstep"]["stream"] == pytest.approx(3.0)
+        assert rep["final_accuracy"] == {"lockstep": pytest.approx(0.4), "stream": 0.5}
+        high = time_to_accuracy.summarize({"lockstep": [slow, slow, fast]}, 0.5)
+        assert high["time_to_target_s"] == {"lockstep": None}  # 2 of 3 runs never reached 0.5
+        time_to_accuracy.plot({"lockstep": [slow], "stream": [fast]}, 0.4, tmp_path / "tta.png", "smoke")
+        assert (tmp_path / "tta.png").stat().st_size > 0
     else:
         a = background_eval.parse_args(["--steps", "2", "--configs", "none,background"])
         assert a.config_names == ["none", "background"]

@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Time to accuracy: held-out accuracy against wall-clock time and samples trained, per mode.
+
+    .venv/bin/python benchmarks/time_to_accuracy.py [--steps N] [--repeats 3] [--out FILE]   # recipes/longtail.yaml
+    .venv/bin/python benchmarks/time_to_accuracy.py --quickstart                             # recipes/quickstart.yaml
+
+One shared SFT start (stream_vs_lockstep.shared_start), then the recipe's RL phase in `lockstep`,
+`one_step_off` and `stream` (same seed, steps and groups per step, so the same number of samples
+trained), `--repeats` times each, evaluated every `run.eval_every` versions on the background
+evaluator (its own engine). A curve point is one evaluated version: `wall_s` is when the learner
+published it (seconds of RL; evaluation time is not counted), `samples` how many samples it had
+trained on.
+
+The target (`--target`, default: the median final accuracy of lockstep's runs) and each run's time
+to reach it: the wall time of the first evaluated version at or above it (null if none did). Per
+mode, the median over runs (null when most runs never reached it), the ratio lockstep / mode, and
+the final accuracy (median, min-max). The JSON carries `time_to_target_s: {mode: s}`,
+`target_accuracy`, `final_accuracy: {mode: ...}`; the PNG (`--png`, default next to `--out` or in
+the work directory) draws every run's curve against seconds and against samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import msgspec  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from streamrl.recipe import load_recipe  # noqa: E402
+from streamrl.runtime.run import run_async  # noqa: E402
+from streamrl.runtime.runlog import read_jsonl  # noqa: E402
+
+from benchmarks._common import emit, git_rev, log, machine  # noqa: E402
+from benchmarks.stream_vs_lockstep import shared_start  # noqa: E402
+
+MODES = ("lockstep", "one_step_off", "stream")
+COLORS = {"lockstep": "tab:gray", "one_step_off": "tab:blue", "stream": "tab:orange"}
+
+
+def curve(evals: list[dict[str, Any]], samples_per_step: int, metric: str = "accuracy") -> list[dict[str, Any]]:
+    """One point per evaluated version, in version order: wall_s, samples, the metric and its interval."""
+    ci_key = "greedy_ci95" if metric == "greedy_accuracy" else "accuracy_ci95"
+    rows = sorted(evals, key=lambda e: e["policy_version"])
+    return [{"version": e["policy_version"], "wall_s": e["wall_time_s"], "samples": e["step"] * samples_per_step,
+             "accuracy": e[metric], "ci95": e.get(ci_key)} for e in rows]
+
+
+def time_to_target(points: list[dict[str, Any]], target: float) -> float | None:
+    """The wall time of the first evaluated version at or above `target`; None if none was."""
+    return next((p["wall_s"] for p in points if p["accuracy"] >= target), None)
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """The median of the runs that reached the target, or None when most did not."""
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if len(got) * 2 > len(values) else None
+
+
+def summarize(runs: dict[str, list[list[dict[str, Any]]]], target: float | None) -> dict[str, Any]:
+    """Per mode: final accuracy (median, min, max), time to target per run and its median, ratio to lockstep."""
+    finals = {m: [c[-1]["accuracy"] for c in cs] for m, cs in runs.items() if cs}
+    if target is None:
+        target = statistics.median(finals["lockstep"])
+    times = {m: [time_to_target(c, target) for c in cs] for m, cs in runs.items()}
+    ttt = {m: median_or_none(t) for m, t in times.items()}
+    base = ttt.get("lockstep")
+    return {"target_accuracy": target,
+            "time_to_target_s": ttt, "time_to_target_runs_s": times,
+            "speedup_vs_lockstep": {m: (base / t if base and t else None) for m, t in ttt.items()},
+            "final_accuracy": {m: statistics.median(v) for m, v in finals.items()},
+            "final_accuracy_range": {m: [min(v), max(v)] for m, v in finals.items()}}
+
+
+def plot(runs: dict[str, list[list[dict[str, Any]]]], target: float, path: Path, title: str) -> None:
+    fig = Figure(figsize=(11, 4.2))
+    for ax, x, label in ((fig.add_subplot(1, 2, 1), "wall_s", "seconds of RL"),
+                         (fig.add_subplot(1, 2, 2), "samples", "samples trained")):
+        for mode, cs in runs.items():
+            for i, c in enumerate(cs):
+                ax.errorbar([p[x] for p in c], [p["accuracy"] for p in c], yerr=[p["ci95"] or 0 for p in c],
+                            color=COLORS.get(mode), alpha=0.8, capsize=2, label=mode if i == 0 else None)
+        ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:.3f}")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out accuracy (±95%)")
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--recipe", default="recipes/longtail.yaml", help="the recipe (default: %(default)s)")
+    which.add_argument("--quickstart", dest="recipe", action="store_const", const="recipes/quickstart.yaml",
+                       help="the quick-start recipe (recipes/quickstart.yaml)")
+    ap.add_argument("--steps", type=int, help="learner steps per run (default: the recipe's run.steps)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode (default: %(default)s)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (default: %(default)s)")
+    ap.add_argument("--eval-every", type=int, help="versions between evaluations (default: the recipe's run.eval_every)")
+    ap.add_argument("--target", type=float, help="accuracy to reach (default: lockstep's median final accuracy)")
+    ap.add_argument("--metric", choices=("accuracy", "greedy_accuracy"), default="accuracy",
+                    help="sampled (default) or greedy held-out accuracy")
+    ap.add_argument("--sft-model", help="start every run from this HF directory instead of the recipe's SFT")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--png", help="the curves (default: next to --out, else in the work directory)")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every run")
+    a = ap.parse_args(argv)
+    a.modes = [m for m in a.modes.split(",") if m]
+    if bad := [m for m in a.modes if m not in MODES]:
+        ap.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
+    if a.target is None and "lockstep" not in a.modes:
+        ap.error("without lockstep among --modes, give --target")
+    return a
+
+
+def main() -> None:
+    a = parse_args()
+    os.chdir(REPO)  # the recipes' relative paths are the checkout's
+    load0 = os.getloadavg()[0]
+    base = load_recipe(a.recipe, a.overrides)
+    steps = a.steps or base.run.steps
+    every = a.eval_every or base.run.eval_every or max(1, steps // 6)
+    work, model, sft_s = shared_start(base, "time-to-accuracy-", a.sft_model)
+    per_step = base.rollout.groups_per_step * base.rollout.n_samples
+    runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in a.modes}
+    for rep in range(a.repeats):
+        for mode in a.modes:  # interleaved, so a drift in the machine's speed touches every mode alike
+            label = f"{mode}-{rep}"
+            r = msgspec.structs.replace(
+                base, sft=None, model=msgspec.structs.replace(base.model, path=str(model), init=None),
+                run=msgspec.structs.replace(base.run, mode=mode, steps=steps, checkpoint_every=0, eval_every=every,
+                                            dir=str(work / label)))
+            log(f"[{label}] {steps} steps, evaluated every {every} ...")
+            asyncio.run(run_async(r, work / label, progress=False))
+            runs[mode].append(curve(read_jsonl(work / label / "eval.jsonl"), per_step, a.metric))
+            c = runs[mode][-1]
+            log(f"[{label}] {a.metric} {c[0]['accuracy']:.3f} -> {c[-1]['accuracy']:.3f} in {c[-1]['wall_s']:.0f}s")
+    out: dict[str, Any] = {"benchmark": "time_to_accuracy", "git": git_rev(), "recipe": a.recipe,
+                           "overrides": a.overrides, "steps": steps, "eval_every": every, "repeats": a.repeats,
+                           "metric": a.metric, "samples_per_step": per_step, "sft_s": sft_s, "sft_model": str(model),
+                           **summarize(runs, a.target), "curves": runs, "work_dir": str(work)}
+    png = Path(a.png) if a.png else (Path(a.out).with_suffix(".png") if a.out else work / "time_to_accuracy.png")
+    plot(runs, out["target_accuracy"], png, f"{a.recipe} ({a.metric}), {a.repeats} runs per mode, {out['git']}")
+    out["png"] = str(png)
+    out["machine"] = machine(load0, ("torch", "ray", "lancedb", "megatron-core"))
+    emit(out, a.out)
+
+
+if __name__ == "__main__":
+    main()
