@@ -35,15 +35,16 @@ def test_chain_stops_at_the_first_value_below_the_hundred():
     assert countdown_chain(100, 1) == [99]
     rng = random.Random(1)
     for _ in range(500):
-        a, d = countdown_problem(rng, 2, 28)
+        a, d = countdown_problem(rng, 2, 24)
         chain = countdown_chain(a, d)
-        assert 2 <= len(chain) <= 28 and 100 <= a <= 999 and 1 <= d <= 9
+        assert 2 <= len(chain) <= 24 and 100 <= a <= 999 and 1 <= d <= 9
         assert all(x // 100 == a // 100 for x in chain[:-1]) and chain[-1] < a // 100 * 100
 
 
 def test_verifier_scores_the_whole_chain():
     label = "307;307-5=302;302-5=297"
-    assert countdown_reward(label, label) == {"reward": 1.0, "final": 1.0, "steps_right": 1.0}
+    assert countdown_reward(label, label) == {"reward": 1.0, "exact": 1.0, "prefix": 1.0, "final": 1.0,
+                                              "steps_right": 1.0}
     assert countdown_reward(f" {label}\n", label)["reward"] == 1.0
     slipped = countdown_reward("307;307-5=303;303-5=298", label)  # a wrong step carried on
     assert slipped["reward"] == 0.0 and slipped["final"] == 0.0 and slipped["steps_right"] == pytest.approx(1 / 3)
@@ -55,6 +56,23 @@ def test_verifier_scores_the_whole_chain():
     assert lucky["reward"] == 0.0 and lucky["final"] == 1.0
     for junk in ("", ";;;", "abc", "297"):
         assert countdown_reward(junk, label)["reward"] == 0.0
+
+
+def test_partial_credit_rewards_the_right_prefix_and_only_an_exact_chain_in_full():
+    label = "307;307-5=302;302-5=297"  # 3 pieces
+    half = {"partial_credit": 0.5}
+    assert countdown_reward(label, label, **half)["reward"] == 1.0
+    # first piece right, second wrong: prefix 1/3 -> 0.5 * 0 + 0.5 * 1/3
+    assert countdown_reward("307;307-5=303;303-5=298", label, **half)["reward"] == pytest.approx(1 / 6)
+    # stops one step early: 2 of 3 -> 1/3; one step late: 3 right of 4 written -> 0.5 * 3/4
+    assert countdown_reward("307;307-5=302", label, **half)["reward"] == pytest.approx(1 / 3)
+    assert countdown_reward(label + ";297-5=292", label, **half)["reward"] == pytest.approx(3 / 8)
+    # a right end through a wrong step earns only the prefix before the slip
+    assert countdown_reward("307;307-5=301;301-5=297", label, **half)["prefix"] == pytest.approx(1 / 3)
+    assert countdown_reward("", label, partial_credit=1.0)["reward"] == 0.0
+    assert countdown_reward("307", label, partial_credit=1.0)["reward"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="partial_credit"):
+        countdown_reward(label, label, partial_credit=1.5)
 
 
 def test_splits_are_disjoint_and_labels_exact(task: dict[str, Path]):
@@ -75,7 +93,7 @@ def test_splits_are_disjoint_and_labels_exact(task: dict[str, Path]):
 def test_response_lengths_have_a_long_tail_and_fit_the_tiny_model(task: dict[str, Path]):
     from connectors.megatron.model_kit import PRESETS, build_tokenizer
 
-    tok = build_tokenizer()
+    tok = build_tokenizer()  # as every model family loads it (tests/test_model_kit.py): digits one by one
 
     def n_tokens(text: str) -> int:
         return len(tok(text, add_special_tokens=False)["input_ids"])
@@ -89,7 +107,10 @@ def test_response_lengths_have_a_long_tail_and_fit_the_tiny_model(task: dict[str
     positions = PRESETS["tiny"]["max_position_embeddings"]
     every = [(r["prompt"], r.get("label") or r["response"]) for p in task.values() for r in _rows(p)]
     assert max(n_tokens(p) for p, _ in every) + 240 <= positions
-    assert max(n_tokens(x) + 1 for _, x in every) <= 240
+    # every exact chain can be generated in 240 new tokens (with EOS); the teacher's, which may run one
+    # step longer, are trained on, not generated: they fit the positions
+    assert max(n_tokens(r["label"]) + 1 for k in ("train", "eval") for r in _rows(task[k])) <= 240
+    assert max(n_tokens(p) + n_tokens(x) + 1 for p, x in every) <= positions
 
 
 def test_same_seed_same_files_other_seed_other_files(tmp_path: Path, task: dict[str, Path]):

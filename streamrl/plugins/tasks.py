@@ -120,8 +120,14 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 # writing every step. Each step is the quick-start's skill (a 3-digit number minus a digit) on the
 # line before it, and the stop rule is local (the step whose result leaves the hundred), so the
 # tiny model learns it; the number of steps n is drawn per prompt with P(n) ~ 1/n (log-uniform), so
-# response lengths span ~7 to ~240 tokens with a long tail (median ~50), the shape of reasoning
+# response lengths span 13 to 234 tokens with a long tail (median ~54), the shape of reasoning
 # traces that makes lockstep wait for its slowest sample. The verifier recomputes the chain.
+
+# At most 24 steps: with Qwen's digit-by-digit tokens a step is ~10 tokens and a 24-step chain at
+# most 234 with EOS, within recipes/longtail.yaml's 240 new tokens (the teacher's one step more,
+# 244, within the tiny preset's 256 positions with the 6-token prompt). Up to 2026-11-28 it was 28:
+# ~5% of the chains (up to 274 tokens) could not be written in 240 and never earned a reward.
+MAX_STEPS = 24
 
 
 def countdown_chain(a: int, d: int) -> list[int]:
@@ -137,7 +143,7 @@ def countdown_text(a: int, d: int, values: list[int]) -> str:
     return ";".join([str(values[0])] + [f"{x}-{d}={y}" for x, y in zip(values, values[1:])])
 
 
-def countdown_problem(rng: random.Random, min_steps: int = 2, max_steps: int = 28) -> tuple[int, int]:
+def countdown_problem(rng: random.Random, min_steps: int = 2, max_steps: int = MAX_STEPS) -> tuple[int, int]:
     """(a, d) with 100 <= a <= 999, 1 <= d <= 9 whose chain has n steps, P(n) ~ 1/n on
     [min_steps, max_steps]; d and the remainder are uniform among those that give n steps."""
     if not 1 <= min_steps <= max_steps <= 100:
@@ -165,20 +171,28 @@ def teacher_chain(rng: random.Random, a: int, d: int, slip_rate: float) -> list[
     return out
 
 
-def countdown_reward(response: str, label: str, **_: object) -> dict[str, float]:
-    """The verifier: reward 1 when the whole chain is right (every step and where it stops);
-    `final` says whether its last number is the right one, `steps_right` the fraction of the
-    label's steps written correctly in place."""
+def countdown_reward(response: str, label: str, partial_credit: float = 0.0, **_: object) -> dict[str, float]:
+    """The verifier: 1 when the whole chain is right (every step and where it stops). With
+    `partial_credit` w > 0 (reward.args), the reward is (1 - w) * that + w * `prefix`: the share of
+    steps right from the start before the first wrong one, over the longer of the two chains (so
+    stopping late costs as stopping early does) - still checked against the recomputed chain, and a
+    chain is rewarded in full only when exact. Components: `exact`, `prefix`, `final` (its last number
+    is the right one), `steps_right` (the label's steps written correctly in place)."""
+    if not 0.0 <= partial_credit <= 1.0:
+        raise ValueError(f"reward.args.partial_credit must be within [0, 1], got {partial_credit!r}")
     got, want = response.strip().split(";"), str(label).strip().split(";")
     right = sum(g == w for g, w in zip(got, want))
+    lead = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+    prefix = lead / max(len(got), len(want))
+    exact = float(got == want)
     last = got[-1].rsplit("=", 1)[-1]
-    return {"reward": float(got == want), "final": float(last == want[-1].rsplit("=", 1)[-1]),
-            "steps_right": right / len(want)}
+    return {"reward": (1 - partial_credit) * exact + partial_credit * prefix, "exact": exact, "prefix": prefix,
+            "final": float(last == want[-1].rsplit("=", 1)[-1]), "steps_right": right / len(want)}
 
 
 def write_longtail_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: int = 128,
                         n_sft: int = 6000, slip_rate: float = 0.1, min_steps: int = 2,
-                        max_steps: int = 28) -> dict[str, Path]:
+                        max_steps: int = MAX_STEPS) -> dict[str, Path]:
     """Write train/eval/sft.jsonl for the countdown task (same keys as `write_task`; the label is
     the exact chain, scored by `countdown_reward`). The splits are disjoint by prompt (each prompt
     belongs to one split by a hash of its text); within a split prompts are drawn i.i.d., so a
