@@ -91,12 +91,17 @@ def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             "gen_tokens_per_s": mean("gen_tokens_per_s"), "train_tokens_per_s": mean("train_tokens_per_s")}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_recipe_args(ap: argparse.ArgumentParser) -> None:
+    """--recipe (default: the long-tail recipe) or --quickstart."""
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--recipe", default="recipes/longtail.yaml", help="the recipe (default: %(default)s)")
     which.add_argument("--quickstart", dest="recipe", action="store_const", const="recipes/quickstart.yaml",
                        help="the quick-start recipe (recipes/quickstart.yaml)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_recipe_args(ap)
     ap.add_argument("--steps", type=int, help="learner steps per mode (default: the recipe's run.steps)")
     ap.add_argument("--modes", default="lockstep,one_step_off,stream")
     ap.add_argument("--engines", type=int, default=1)

@@ -43,7 +43,7 @@ from streamrl.runtime.run import run_async  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
 from benchmarks._common import emit, git_rev, log, machine  # noqa: E402
-from benchmarks.stream_vs_lockstep import shared_start  # noqa: E402
+from benchmarks.stream_vs_lockstep import add_recipe_args, shared_start  # noqa: E402
 
 MODES = ("lockstep", "one_step_off", "stream")
 COLORS = {"lockstep": "tab:gray", "one_step_off": "tab:blue", "stream": "tab:orange"}
@@ -103,10 +103,7 @@ def plot(runs: dict[str, list[list[dict[str, Any]]]], target: float, path: Path,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--recipe", default="recipes/longtail.yaml", help="the recipe (default: %(default)s)")
-    which.add_argument("--quickstart", dest="recipe", action="store_const", const="recipes/quickstart.yaml",
-                       help="the quick-start recipe (recipes/quickstart.yaml)")
+    add_recipe_args(ap)
     ap.add_argument("--steps", type=int, help="learner steps per run (default: the recipe's run.steps)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (default: %(default)s)")
