@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from streamrl.core.evalstats import accuracy_report, mean_ci95, with_ci
 
 
@@ -29,3 +31,14 @@ def test_report_and_its_printed_form() -> None:
     assert r["greedy_accuracy"] == 1.0 and r["greedy_ci95"] == 0.0
     assert with_ci(r, "accuracy") == "0.500±0.980" and with_ci(r, "greedy_accuracy") == "1.000±0.000"
     assert with_ci({"accuracy": 0.25}, "accuracy") == "0.250"  # an evaluation from before the interval existed
+
+
+def test_eval_metric_picks_the_reward_or_a_component_and_names_what_is_missing() -> None:
+    from streamrl.plugins.rewards import Scored
+    from streamrl.runtime.evaluate import metric_value
+
+    shaped = Scored(0.6, {"exact": 0.0, "prefix": 0.75}, None)  # countdown_reward, partial_credit 0.8
+    assert metric_value(shaped, "reward") == 0.6 and metric_value(shaped, "exact") == 0.0
+    assert metric_value(Scored(None, {}, "boom"), "exact") == 0.0  # a failed score counts 0
+    with pytest.raises(ValueError, match=r"data.eval_metric.*'final'.*\['exact', 'prefix'\]"):
+        metric_value(shaped, "final")

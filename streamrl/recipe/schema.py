@@ -127,6 +127,9 @@ class DataCfg(_Cfg):
     eval_path: str | None = None  # held-out prompts (same keys), evaluated before and after training
     eval_samples: PosInt = 4  # sampled responses per eval prompt (accuracy = mean over them)
     eval_size: PosInt | None = None  # use only the first N eval prompts
+    # what held-out accuracy averages: the reward, or one of its components (e.g. `exact` when the
+    # reward gives partial credit, so evaluations stay comparable across reward shapings)
+    eval_metric: str = "reward"
     generate: FnRef | None = None  # called as fn(out_dir=<dir of path>, **args) when `path` is missing
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.core.evalstats import accuracy_report
 from streamrl.plugins.data import PromptRecord
-from streamrl.plugins.rewards import RewardHub
+from streamrl.plugins.rewards import RewardHub, Scored
 from streamrl.plugins.slime import reward_hub
 from streamrl.producers import episode as agent
 from streamrl.producers.generate_proxy import SlimeGenerateHub
@@ -53,13 +53,26 @@ async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRec
             versions.add(str(res.meta_info.weight_version))
         texts = [decode_response(tokenizer, r.output_ids) for r in (*sampled, greedy)]
         scores = await hub.score(rec.prompt, rec.label, texts, rec.record)
-        vals = [s.reward or 0.0 for s in scores]
+        vals = [metric_value(s, recipe.data.eval_metric) for s in scores]
         return sum(vals[:-1]) / k, vals[-1]
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(one(r) for r in records))
     return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),
             "eval_s": time.perf_counter() - t0}
+
+
+def metric_value(s: Scored, metric: str) -> float:
+    """An evaluated response's score: its reward or the component `data.eval_metric` names (a failed
+    score counts 0)."""
+    if s.reward is None:
+        return 0.0
+    if metric == "reward":
+        return s.reward
+    if metric not in s.components:
+        raise ValueError(f"data.eval_metric: the reward function returned no component {metric!r} "
+                         f"(it returned {sorted(s.components) or 'none'}); name one of them or 'reward'")
+    return float(s.components[metric])
 
 
 async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[PromptRecord], recipe: Recipe,
@@ -84,7 +97,8 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
         _, samples = await agent.play_group(env, proxy, eps, task, hub,
                                             {**rec.record, "prompt": rec.prompt, "label": rec.label})
         versions.update(str(v) for ep in eps for v in ep.versions if v >= 0)
-        return [0.0 if s.failed or s.reward is None else s.reward for s in samples]
+        return [0.0 if s.failed else metric_value(Scored(s.reward, s.rewards, s.error), recipe.data.eval_metric)
+                for s in samples]
 
     async def one(rec: PromptRecord) -> tuple[float, float]:
         async with sem:
