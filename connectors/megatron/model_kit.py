@@ -40,7 +40,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen2/Qwen3's pre-tokenizer split (transformers' Qwen2Tokenizer): single digits, letter runs, punctuation runs
+# Qwen2/Qwen3's pre-tokenizer split (transformers' Qwen2Tokenizer): single digits, letter and punctuation runs
 QWEN_PRETOKENIZE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                     r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # ChatML. With `tools`, a system block lists each function as name(parameters) (Qwen writes the

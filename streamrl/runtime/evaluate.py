@@ -58,8 +58,8 @@ async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRec
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(one(r) for r in records))
-    return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),
-            "eval_s": time.perf_counter() - t0}
+    return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res),
+            "samples_per_prompt": k, "engine_versions": sorted(versions), "eval_s": time.perf_counter() - t0}
 
 
 def metric_value(s: Scored, metric: str) -> float:
@@ -112,5 +112,5 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
         await proxy.close()
         if isinstance(env, SlimeGenerateHub):
             await env.close()
-    return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res), "samples_per_prompt": k, "engine_versions": sorted(versions),
-            "eval_s": time.perf_counter() - t0}
+    return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res),
+            "samples_per_prompt": k, "engine_versions": sorted(versions), "eval_s": time.perf_counter() - t0}
