@@ -7,6 +7,8 @@ import math
 import pytest
 
 from streamrl.core.evalstats import accuracy_report, mean_ci95, with_ci
+from streamrl.plugins.rewards import Scored
+from streamrl.runtime.evaluate import metric_value
 
 
 def test_interval_is_z_times_the_standard_error_over_prompts() -> None:
@@ -34,9 +36,6 @@ def test_report_and_its_printed_form() -> None:
 
 
 def test_eval_metric_picks_the_reward_or_a_component_and_names_what_is_missing() -> None:
-    from streamrl.plugins.rewards import Scored
-    from streamrl.runtime.evaluate import metric_value
-
     shaped = Scored(0.6, {"exact": 0.0, "prefix": 0.75}, None)  # countdown_reward, partial_credit 0.8
     assert metric_value(shaped, "reward") == 0.6 and metric_value(shaped, "exact") == 0.0
     assert metric_value(Scored(None, {}, "boom"), "exact") == 0.0  # a failed score counts 0

@@ -58,6 +58,11 @@ async def evaluate(client: SGLangClient, tokenizer: Any, records: list[PromptRec
 
     t0 = time.perf_counter()
     res = await asyncio.gather(*(one(r) for r in records))
+    return _result(res, k, versions, t0)
+
+
+def _result(res: list[tuple[float, float]], k: int, versions: set[str], t0: float) -> dict[str, Any]:
+    """An evaluation's row from its per-prompt (sampled mean, greedy) scores."""
     return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res),
             "samples_per_prompt": k, "engine_versions": sorted(versions), "eval_s": time.perf_counter() - t0}
 
@@ -112,5 +117,4 @@ async def _evaluate_env(client: SGLangClient, tokenizer: Any, records: list[Prom
         await proxy.close()
         if isinstance(env, SlimeGenerateHub):
             await env.close()
-    return {**accuracy_report([a for a, _ in res], [g for _, g in res]), "prompts": len(res),
-            "samples_per_prompt": k, "engine_versions": sorted(versions), "eval_s": time.perf_counter() - t0}
+    return _result(res, k, versions, t0)
