@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from streamrl.connectors.megatron import routing
+from streamrl.connectors.megatron import lora, routing
 from streamrl.connectors.megatron.batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
-from streamrl.connectors.megatron.model import hf_state_dict, hf_weights, load_model
+from streamrl.connectors.megatron.model import hf_weights, load_model
 from streamrl.connectors.megatron.optimizer import Optimizer
 from streamrl.connectors.megatron.parallel import Parallel, init_distributed
 from streamrl.core.algorithms import aggregation_units, offpolicy
@@ -92,9 +92,11 @@ class MegatronLearner:
         if self.ref is not None:
             for p in self.ref.parameters():
                 p.requires_grad_(False)
-        self.opt = Optimizer(self.model, lr=lr, grad_clip=grad_clip, weight_decay=weight_decay,
-                             warmup_steps=warmup_steps, adam_eps=adam_eps, distributed=distributed_optimizer)
+        self._opt_args = dict(lr=lr, grad_clip=grad_clip, weight_decay=weight_decay, warmup_steps=warmup_steps,
+                              adam_eps=adam_eps, distributed=distributed_optimizer)
+        self.opt = Optimizer(self.model, **self._opt_args)
         self.params = self.opt.params
+        self.adapters: list[lora.Adapter] = []  # LoRA (enable_lora): only these train
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.version = 0  # +1 per SFT step and per claimed RL batch (however many optimizer steps it took)
@@ -102,6 +104,25 @@ class MegatronLearner:
         self.device = next(self.model.parameters()).device
         self.par = Parallel()
         self.tp, self.pp, self.dp = self.par.tp, self.par.pp, self.par.dp
+
+    def enable_lora(self, rank: int, alpha: float, dropout: float, layers: list[str], seed: int = 0) -> None:
+        """From now on train LoRA adapters on `layers` (megatron names, streamrl/core/lora.py) and
+        nothing else: the adapters are attached, every other weight frozen, and the optimizer built
+        anew over them (megatron's DDP and optimizer take what requires grad when built, so gradient
+        buffers and Adam's state hold the adapters alone). Called once, after any SFT warm-start."""
+        if self.adapters:
+            return
+        self.adapters = lora.attach(self.model, rank, alpha, dropout, layers, seed=seed)
+        lr = self.opt.base_lr
+        for p in self.model.parameters():  # the old DDP's gradient buffers: nothing writes them any more
+            if not p.requires_grad and hasattr(p, "main_grad"):
+                del p.main_grad
+        self.opt = Optimizer(self.model, **{**self._opt_args, "lr": lr})
+        self.params = self.opt.params
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """The adapters as PEFT tensors (whole, on every rank; collective over the TP group)."""
+        return lora.adapter_state(self.adapters, self.bridge.hf_config)
 
     # ------------------------------------------------------------ pieces
 
@@ -324,12 +345,15 @@ class MegatronLearner:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """A host copy of the whole model under HF names, on every rank (collective over the
-        model-parallel group: TP shards and PP stages are gathered)."""
-        return hf_state_dict(self.model, self.bridge)
+        model-parallel group: TP shards and PP stages are gathered); with LoRA, merged."""
+        return {name: t.to("cpu", copy=True) for name, t in self.hf_weights()}
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The same one tensor at a time, without a copy of the model (model.hf_weights)."""
-        return hf_weights(self.model, self.bridge)
+        """The same one tensor at a time, without a copy of the model (model.hf_weights); with
+        LoRA each adapted weight is W + s B A (lora.merged: the adapted weights are copied while
+        the export runs)."""
+        weights = hf_weights(self.model, self.bridge)
+        return lora.merged_weights(self.model, self.adapters, weights) if self.adapters else weights
 
     def state_bytes(self) -> int:
         """Bytes of this rank's parameters and optimizer state (what parallelism divides)."""

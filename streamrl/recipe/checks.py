@@ -12,6 +12,7 @@ from typing import Any
 
 from streamrl.connectors.megatron.model_kit import PRESETS
 from streamrl.core import corrections, routing
+from streamrl.core import lora as lora_names
 from streamrl.recipe.schema import Recipe, learner_layout
 
 def _every_interface(host: str) -> bool:
@@ -104,6 +105,7 @@ def _learner_conflicts(r: Recipe) -> list[tuple[str, str]]:
             out.append((f"learner.{key}", f"the band [{low} {used[low]}, {high} {used[high]}] is empty: "
                                           f"{low} must be below {high}"))
     out += _parallel_conflicts(r)
+    out += _lora_conflicts(r)
     if lc.mini_batches > r.rollout.groups_per_step:
         out.append(("learner.mini_batches", f"{lc.mini_batches} exceeds rollout.groups_per_step "
                                             f"{r.rollout.groups_per_step}: each mini-batch holds whole groups"))
@@ -158,6 +160,27 @@ def _parallel_conflicts(r: Recipe) -> list[tuple[str, str]]:
     return out
 
 
+def _lora_conflicts(r: Recipe) -> list[tuple[str, str]]:
+    """target_modules that megatron cannot adapt exactly, MoE experts, pipeline stages."""
+    lc = r.learner
+    if lc.lora is None:
+        return []
+    layers, problem = lora_names.targets(lc.lora.target_modules)
+    if problem:
+        return [("learner.lora.target_modules", problem)]
+    out = []
+    if lc.parallel.pp > 1:
+        out.append(("learner.lora", f"with learner.parallel.pp {lc.parallel.pp}: LoRA supports tp and dp, "
+                                    "not pipeline stages yet; use pp: 1"))
+    shape = _model_shape(r)
+    mlp = [k for k in layers if k not in lora_names.ATTENTION]
+    if shape is not None and routing.is_moe(shape) and mlp:
+        out.append(("learner.lora.target_modules", f"adapts the MLP ({', '.join(lora_names.hf_modules(mlp))}) but "
+                    f"{r.model.path} is a mixture-of-experts model: LoRA on experts is not supported; "
+                    "name attention modules only (q_proj, k_proj, v_proj, o_proj)"))
+    return out
+
+
 def learner_summary(r: Recipe) -> str:
     """One line: the off-policy correction the learner will apply (`auto` resolved, unset keys
     at their defaults), its optimizer steps per claimed batch, the advantage and the loss."""
@@ -169,6 +192,10 @@ def learner_summary(r: Recipe) -> str:
     tp, pp, dp = learner_layout(r)
     ep = f", ep {lc.parallel.ep}" if lc.parallel.ep > 1 else ""
     layout = f"{tp * pp * dp} ranks (tp {tp} x pp {pp} x dp {dp}{ep}); " if tp * pp * dp > 1 else ""
-    return (f"{layout}off-policy correction {chosen}{auto}{': ' + keys if keys else ''}; {steps} optimizer step"
+    lora = ""
+    if lc.lora is not None:
+        lora = (f"LoRA rank {lc.lora.rank} alpha {lc.lora.alpha} on "
+                f"{', '.join(lora_names.targets(lc.lora.target_modules)[0])}; ")
+    return (f"{layout}{lora}off-policy correction {chosen}{auto}{': ' + keys if keys else ''}; {steps} optimizer step"
             f"{'s' if steps > 1 else ''} per claimed batch ({lc.mini_batches} mini-batch(es) x {lc.epochs} epoch(s)); "
             f"advantage {lc.advantage}, loss {lc.loss}")

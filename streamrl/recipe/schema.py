@@ -246,10 +246,26 @@ class MoeCfg(_Cfg):
     z_loss_coeff: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # router z-loss (ST-MoE); 0 = none
 
 
+class LoraCfg(_Cfg):
+    """LoRA adapters on the learner's linear layers (docs/lora.md): only they train, and a version
+    push sends only them (engines apply them by name, SGLang's lora_path). The SFT warm-start
+    still trains the whole model; the adapters start after it."""
+
+    rank: PosInt = 8  # r: A is [r, in], B is [out, r] (B starts at 0, so version 0 is the base model)
+    alpha: PosFloat = 16.0  # B A x is scaled by alpha / rank (peft's lora_alpha)
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0  # on the adapter's input, while training
+    # HF names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), SGLang's fused
+    # qkv_proj / gate_up_proj, megatron's linear_qkv / linear_proj / linear_fc1 / linear_fc2, or
+    # all-linear. Megatron fuses q/k/v and gate/up: name all of a fused layer's modules or none
+    target_modules: list[str] = msgspec.field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 class LearnerCfg(_Cfg):
     """Optimisation and the RL objective (formulas: streamrl/core/algorithms/)."""
 
     parallel: ParallelCfg = msgspec.field(default_factory=ParallelCfg)
+    lora: LoraCfg | None = None  # null: train every weight; a mapping: LoRA adapters only (LoraCfg)
     moe: MoeCfg = msgspec.field(default_factory=MoeCfg)
     # MoE: each token goes to the experts the engine routed it to (R3: the samples' stored routing;
     # connectors/megatron/routing.py), so the learner's log-probs are those of the network that
