@@ -187,3 +187,120 @@ def test_lora_tp2_equals_one_process(one: tuple[dict, Path], model_dir: Path, tm
     assert a.keys() == b.keys()
     for k in a:
         assert (a[k] - b[k]).abs().max() <= 1e-5 * max(1.0, float(a[k].abs().max())), k
+
+
+# The learner trains its adapters a few SFT steps, writes them as a PEFT directory (what a
+# version push sends), the embedded engine loads it as "v3" and samples with it: the engine's
+# log-probs of its own tokens equal the learner's within fp32 noise, tokens are tagged version 3,
+# and the same prompts without the adapter are measurably different (the adapter is applied).
+PUSH = textwrap.dedent("""
+    import sys, json, threading, torch
+    from streamrl.connectors.megatron.learner import MegatronLearner, init_single_process
+    from streamrl.connectors.megatron.batch import TokenBatch
+    from streamrl.connectors.megatron.lora import write_peft_dir
+    from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest
+    from streamrl.connectors.sglang.engine_lora import read_peft_dir
+    from streamrl.core import lora as names
+    init_single_process()
+    model_dir, out = sys.argv[1], sys.argv[2]
+    learner = MegatronLearner(model_dir, lr=2e-2, micro_batch_size=8)
+    learner.enable_lora(4, 8.0, 0.0, list(names.FUSED), seed=0)
+    rows = [([5, 6, 7 + i], [20 + i, 21, 22, 23 + i]) for i in range(4)]
+    for _ in range(3):
+        learner.sft_step(rows)
+    path = write_peft_dir(learner.lora_state(), names.adapter_config(4, 8.0, 0.0, list(names.FUSED), model_dir),
+                          f"{out}/lora-v000003")
+    eng = EngineCore(model_dir)
+    threading.Thread(target=eng.run, daemon=True).start()
+    eng.call(lambda: eng.adapters.add(names.adapter_name(3), *read_peft_dir(str(path)), str(path)))
+    done, ev = [], threading.Event()
+    def cb(r):
+        done.append(r)
+        if len(done) == 8:
+            ev.set()
+    for i in range(8):
+        eng.submit(GenRequest(rid=f"{i}", input_ids=[5, 6, 7 + i % 4], max_new_tokens=8, ignore_eos=True,
+                              sampling_seed=i, lora="v3" if i < 4 else None, on_done=cb))
+    assert ev.wait(120)
+    eng.stop()
+    done.sort(key=lambda r: int(r.rid))
+    b = TokenBatch([(r.input_ids, r.output_ids) for r in done])
+    with torch.no_grad():
+        logp = learner._forward(learner.model, b, 1.0)[0]
+    diffs = []
+    for i, r in enumerate(done):
+        p = len(r.input_ids)
+        mine = logp[i, p - 1: p - 1 + len(r.output_ids)]
+        diffs.append(float((mine - torch.tensor(r.logprobs)).abs().max()))
+    print(json.dumps({"with": max(diffs[:4]), "without": min(diffs[4:]),
+                      "spans": [r.spans for r in done], "b_norm": max(float(a.B.abs().max()) for a in learner.adapters)}))
+""")
+
+
+@pytest.mark.slow
+def test_engine_logprobs_after_an_adapter_push_equal_the_learners(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    from learnerkit import run_script
+
+    res = run_script(PUSH, str(model_dir), str(tmp_path))
+    assert res["b_norm"] > 1e-3, res  # the adapters trained
+    assert res["with"] < 1e-4, res  # fp32 noise
+    assert res["without"] > 1e-3, res  # without the adapter the engine is the base model: not the learner
+    assert all(s == [["3", 0, 8]] for s in res["spans"][:4]) and all(s == [["0", 0, 8]] for s in res["spans"][4:])
+
+
+def _random_adapter(model_dir: Path, out: Path, rank: int = 2) -> Path:
+    """A PEFT directory for the tiny model: q/k/v/o adapters with random A and B."""
+    import torch
+    from transformers import AutoConfig
+
+    from streamrl.connectors.megatron.lora import write_peft_dir
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    head = cfg.hidden_size // cfg.num_attention_heads
+    outs = {"q_proj": cfg.hidden_size, "k_proj": cfg.num_key_value_heads * head,
+            "v_proj": cfg.num_key_value_heads * head, "o_proj": cfg.hidden_size}
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for m, n in outs.items():
+            tensors[names.peft_name(layer, m, "A")] = torch.randn(rank, cfg.hidden_size, generator=g)
+            tensors[names.peft_name(layer, m, "B")] = torch.randn(n, rank, generator=g)
+    return write_peft_dir(tensors, names.adapter_config(rank, 4.0, 0.0, ["linear_qkv", "linear_proj"], str(model_dir)),
+                          out)
+
+
+def test_embedded_engine_serves_adapters_by_sglang_endpoints(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """/load_lora_adapter (a path under the weights root only), lora_path on /generate (the
+    tokens tagged with the adapter's version; an unknown name is a 400), /unload_lora_adapter."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from streamrl.connectors.sglang.engine_server import EngineServer
+
+    root = tmp_path / "weights"
+    path = _random_adapter(model_dir, root / "lora-v000007")
+    outside = _random_adapter(model_dir, tmp_path / "elsewhere")
+
+    async def main() -> None:
+        server = EngineServer(str(model_dir), weights_root=str(root))
+        async with TestClient(TestServer(server.app)) as c:
+            r = await c.post("/load_lora_adapter", json={"lora_name": "v7", "lora_path": str(outside)})
+            assert r.status == 400 and "outside" in (await r.json())["error_message"]
+            r = await c.post("/load_lora_adapter", json={"lora_name": "v7", "lora_path": str(path)})
+            body = await r.json()
+            assert r.status == 200 and body["success"] and body["loaded_adapters"] == {"v7": str(path)}, body
+            gen = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+                   "return_logprob": True}
+            base = await (await c.post("/generate", json=gen)).json()
+            adapted = await (await c.post("/generate", json={**gen, "lora_path": "v7"})).json()
+            assert adapted["meta_info"]["weight_version"] == "7" and base["meta_info"]["weight_version"] == "0"
+            assert adapted["meta_info"]["output_token_logprobs"] != base["meta_info"]["output_token_logprobs"]
+            r = await c.post("/generate", json={**gen, "lora_path": "v8"})
+            assert r.status == 400 and "not loaded" in (await r.text())
+            r = await c.post("/unload_lora_adapter", json={"lora_name": "v7"})
+            assert r.status == 200 and (await r.json())["loaded_adapters"] == {}
+            r = await c.post("/generate", json={**gen, "lora_path": "v7"})
+            assert r.status == 400
+
+    asyncio.run(main())

@@ -35,12 +35,18 @@ driver process imports the learner's modules without paying megatron's 5 s impor
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import shutil
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 
 from streamrl.core import lora as names
@@ -225,4 +231,23 @@ def adapter_state(adapters: list[Adapter], hf_config: Any) -> dict[str, torch.Te
         for module, b in zip(names.FUSED[a.layer], Bs):
             out[names.peft_name(a.layer_number - 1, module, "A")] = A.to("cpu", copy=True)
             out[names.peft_name(a.layer_number - 1, module, "B")] = b.to("cpu", copy=True).contiguous()
+    return out
+
+
+def write_peft_dir(tensors: dict[str, torch.Tensor], config: dict[str, Any], out_dir: str | Path) -> Path:
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors), what peft's
+    `save_pretrained` writes and SGLang's /load_lora_adapter reads; written beside and renamed into
+    place, so a reader never sees half of it."""
+    out = Path(out_dir)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out

@@ -48,7 +48,7 @@ class GenerateReqInput(_Req):
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
-    lora_path: str | None = None
+    lora_path: str | list[str | None] | None = None  # the adapter(s) to run with (SGLang: one per prompt or one for all)
     custom_logit_processor: str | None = None
     data_parallel_rank: int | None = None
     priority: int | None = None

@@ -20,6 +20,7 @@ import numpy as np
 
 from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys, bearer
+from streamrl.core import lora as lora_names
 from streamrl.core import prefix_cache, routing
 from streamrl.core.types import VersionSpan
 
@@ -159,23 +160,28 @@ class SGLangClient:
     # ------------------------------------------------------------ generation
 
     async def generate(self, input_ids: Sequence[int], sampling_params: api.SamplingParams | dict[str, Any] | None = None,
-                       *, rid: str | None = None, return_logprob: bool = True) -> GenerateResult:
+                       *, rid: str | None = None, return_logprob: bool = True, lora_path: str | None = None) -> GenerateResult:
         sp = sampling_params if isinstance(sampling_params, api.SamplingParams) else \
             msgspec.convert(sampling_params or {}, api.SamplingParams)
         return (await self._generate([list(map(int, input_ids))], sp, None if rid is None else [rid],
-                                     return_logprob, batched=False))[0]
+                                     return_logprob, batched=False, lora_path=lora_path))[0]
 
     async def generate_batch(self, batch: Sequence[Sequence[int]], sampling_params: api.SamplingParams,
                              *, rids: list[str] | None = None, return_logprob: bool = True,
-                             routed_experts_start_len: int | None = None) -> list[GenerateResult]:
-        """`routed_experts_start_len`: ask for routed experts from this position (None: do not ask)."""
+                             routed_experts_start_len: int | None = None, lora_path: str | None = None
+                             ) -> list[GenerateResult]:
+        """`routed_experts_start_len`: ask for routed experts from this position (None: do not ask).
+        `lora_path`: the LoRA adapter to run with (`lora_versions`)."""
         return await self._generate([list(map(int, ids)) for ids in batch], sampling_params, rids, return_logprob,
-                                    batched=True, routed_start=routed_experts_start_len)
+                                    batched=True, routed_start=routed_experts_start_len, lora_path=lora_path)
 
     async def _generate(self, batch: list[list[int]], sp: api.SamplingParams, rids: list[str] | None,
-                        return_logprob: bool, batched: bool, routed_start: int | None = None) -> list[GenerateResult]:
+                        return_logprob: bool, batched: bool, routed_start: int | None = None,
+                        lora_path: str | None = None) -> list[GenerateResult]:
         """/generate under the cache key of the newest version seen (streamrl/core/prefix_cache.py);
-        the requests that reused a prefix older weights made go again, under a key nobody used."""
+        the requests that reused a prefix older weights made go again, under a key nobody used.
+        With `lora_path` a StreamRL version name (`v12`), every output token is of that version
+        (`lora_versions`)."""
         key, todo = self.seen_version, list(range(len(batch)))
         out: list[GenerateResult | None] = [None] * len(batch)
         for attempt in range(STALE_PREFIX_RETRIES + 1):
@@ -185,9 +191,9 @@ class SGLangClient:
                                        rid=None if rids is None else [rids[i] for i in todo] if batched else rids[0],
                                        return_logprob=return_logprob, extra_key=extra_key,
                                        return_routed_experts=routed_start is not None,
-                                       routed_experts_start_len=routed_start or 0)
+                                       routed_experts_start_len=routed_start or 0, lora_path=lora_path)
             raw = await self.request("POST", "/generate", req)
-            results = _results.decode(raw) if batched else [_result.decode(raw)]
+            results = lora_versions(_results.decode(raw) if batched else [_result.decode(raw)], lora_path)
             again = []
             for i, r in zip(todo, results):
                 spans = r.version_spans()
@@ -282,6 +288,15 @@ class SGLangClient:
             serialized_named_tensors=blobs, load_format="safetensors", abort_all_requests=abort_all_requests,
             weight_version=None if weight_version is None else str(weight_version), flush_cache=flush_cache))
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> Any:
+        """SGLang's /load_lora_adapter: a PEFT directory the engine reads (4xx when it cannot)."""
+        return await self.json("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path,
+                                                              "pinned": pinned})
+
+    async def unload_lora_adapter(self, lora_name: str) -> Any:
+        """SGLang's /unload_lora_adapter: returns once no request uses the adapter."""
+        return await self.json("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
     async def update_weight_version(self, new_version: str | int, abort_all_requests: bool = False) -> Any:
         return await self.json("POST", "/update_weight_version", api.UpdateWeightVersionReq(
             new_version=str(new_version), abort_all_requests=abort_all_requests))
@@ -310,6 +325,18 @@ class SGLangClient:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{self.base_url} not healthy after {timeout_s}s")
             await asyncio.sleep(0.2)
+
+
+def lora_versions(results: list[GenerateResult], lora_path: str | None) -> list[GenerateResult]:
+    """A request runs on its adapter from start to finish (SGLang binds lora_path per request),
+    so with a version-named adapter every output token is of that version, whatever the engine
+    reports as its base weights' `weight_version` (SGLang reports the base's)."""
+    version = lora_names.version_of(lora_path) if lora_path else None
+    if version is None:
+        return results
+    for r in results:
+        r.meta_info.weight_version, r.meta_info.weight_versions = str(version), None
+    return results
 
 
 def _message(raw: bytes) -> str:

@@ -54,6 +54,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Cache
 from transformers.cache_utils import DynamicLayer
 
+from streamrl.connectors.sglang.engine_lora import Adapters
 from streamrl.connectors.sglang.expert_weights import expert_views
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -87,6 +88,7 @@ class GenRequest:
     error: str | None = None  # this request failed on its own (its sampling); the others go on
     routed_experts: bool = False  # keep the router's choices for each position (module doc)
     routing: list[torch.Tensor] | None = None  # [positions, layers, top_k] int32 pieces, in position order
+    lora: str | None = None  # the LoRA adapter it runs with from start to finish (SGLang's lora_path)
 
     def record(self, token: int, logprob: float, version: str) -> None:
         n = len(self.output_ids)
@@ -137,6 +139,7 @@ class EngineCore:
         for li, gate in gates:
             gate.register_forward_hook(lambda _m, _i, out, li=li: self._on_route(li, out))
         self.captures_routing = bool(gates)
+        self.adapters = Adapters(self.model)  # LoRA adapters by name (connectors/sglang/engine_lora.py)
 
     def _on_route(self, layer: int, out: Any) -> None:
         if self._routes is not None:
@@ -221,6 +224,10 @@ class EngineCore:
 
     def resume(self) -> None:
         self._paused = None
+
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a request still queued or running names LoRA adapter `name`."""
+        return any(r.lora == name for r in [*self._waiting, *self._joining, *self._running])
 
     @property
     def paused(self) -> str | None:
@@ -312,9 +319,10 @@ class EngineCore:
         """Run prompts (+ any output kept from before a retract or resume), left-padded into one
         batch, one row per distinct sequence, and sample one token each; each request keeps its
         row's slice of the KV cache (requests with one sequence share it)."""
-        rows: dict[tuple[int, ...], int] = {}
+        rows: dict[tuple[Any, ...], int] = {}
         row_of = [rows.setdefault(_seq_key(r), len(rows)) for r in reqs]
-        seqs = list(rows)
+        seqs = [key[1:] for key in rows]  # the key leads with the request's adapter
+        self.adapters.rows = [key[0] for key in rows]
         lens = [len(x) for x in seqs]
         lmax = max(lens)
         ids = torch.zeros(len(seqs), lmax, dtype=torch.long)
@@ -388,6 +396,7 @@ class EngineCore:
         for i, n in enumerate(lens):
             mask[i, lmax - n:] = 1
         self._start_routes(batch)
+        self.adapters.rows = [r.lora for r in batch]
         out = self.model(
             input_ids=torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device),
             attention_mask=mask.to(self.device),
@@ -413,7 +422,7 @@ class EngineCore:
                 self._finish(r, {"type": "abort", "message": r.error})
                 continue
             tok, lp = picked
-            r.record(tok, lp, self.weight_version)
+            r.record(tok, lp, self.adapters.version(r.lora, self.weight_version))
             n = len(r.output_ids)
             total = len(r.input_ids) + n
             hit = self._stop_str(r)
@@ -500,9 +509,9 @@ def routed_rows(r: GenRequest, start: int) -> torch.Tensor | None:
     return rows[start: len(r.input_ids) + len(r.output_ids) - 1]
 
 
-def _seq_key(r: GenRequest) -> tuple[int, ...]:
-    """What a request's prefill runs: its prompt and any output kept from before a retract."""
-    return tuple(r.input_ids + r.output_ids)
+def _seq_key(r: GenRequest) -> tuple[Any, ...]:
+    """What a request's prefill runs: its LoRA adapter, its prompt and any output kept from before a retract."""
+    return (r.lora, *r.input_ids, *r.output_ids)
 
 
 def _input_logprobs(logits: torch.Tensor, r: GenRequest) -> list[float | None]:

@@ -35,10 +35,11 @@ from streamrl.connectors.auth import Keys
 from streamrl.connectors.ports import listen_socket, port_of
 from streamrl.connectors.sglang import api
 from streamrl.connectors.sglang.engine_core import EngineCore, GenRequest, routed_rows
+from streamrl.connectors.sglang.engine_lora import LoraEndpoints
 from streamrl.connectors.sglang.weight_sync import join_group, receive
 
 _UNSUPPORTED = {  # SGLang options the embedded engine does not implement: refused, not ignored
-    "stream": False, "lora_path": None, "custom_logit_processor": None, "return_hidden_states": False,
+    "stream": False, "custom_logit_processor": None, "return_hidden_states": False,
     "top_logprobs_num": 0, "token_ids_logprob": None, "return_entropy": False, "session_params": None,
     "background": False, "return_bytes": False,
 }
@@ -154,6 +155,7 @@ class EngineServer:
         for path in ("/server_info", "/get_server_info"):
             r.add_get(path, self.server_info)
         r.add_get("/get_load", self.get_load)
+        LoraEndpoints(self, _decode)  # /load_lora_adapter, /load_lora_adapter_from_tensors, /unload_lora_adapter
         self.app.on_startup.append(self._start)
         # on_shutdown runs before aiohttp waits for open requests: stopping the core first
         # finishes them (as aborts), so a paused engine still exits on SIGTERM.
@@ -192,7 +194,7 @@ class EngineServer:
     # ------------------------------------------------------------ generation
 
     def _make(self, ids: list[int], rid: str, sp: api.SamplingParams, logprob_start: int | None = None,
-              routed_start: int | None = None) -> GenRequest:
+              routed_start: int | None = None, lora: str | None = None) -> GenRequest:
         """`logprob_start`: SGLang's logprob_start_len when return_logprob (-1: no prompt log-probs);
         `routed_start`: routed_experts_start_len when return_routed_experts."""
         if not ids:
@@ -223,7 +225,7 @@ class EngineServer:
             sampling_seed=sp.sampling_seed, stop_strs=tuple(stops), stop_window=window,
             # SGLang's -1 with return_logprob: from len(ids) on, i.e. none
             input_logprob_start=None if logprob_start is None else len(ids) if logprob_start == -1 else logprob_start,
-            routed_experts=routed_start is not None and self.core.captures_routing)
+            routed_experts=routed_start is not None and self.core.captures_routing, lora=lora)
 
     async def _run(self, req: GenRequest) -> GenRequest:
         return (await self._run_all([req]))[0]
@@ -308,8 +310,16 @@ class EngineServer:
         # with a fresh rid, answered as a list (prompt-major) even for one prompt
         n = sp.n
         routed = req.routed_experts_start_len if req.return_routed_experts else None
-        gens = [self._make(ids, rid if n == 1 else uuid.uuid4().hex, sp, start, routed)
-                for ids, rid in zip(prompts, rids) for _ in range(n)]
+        loras = req.lora_path if isinstance(req.lora_path, list) else [req.lora_path] * len(prompts)
+        if len(loras) != len(prompts):
+            raise HTTPError(400, f"{len(loras)} lora_path entries for {len(prompts)} prompts")
+        for name in set(loras):
+            try:
+                self.core.adapters.check(name)
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
+        gens = [self._make(ids, rid if n == 1 else uuid.uuid4().hex, sp, start, routed, lora)
+                for ids, rid, lora in zip(prompts, rids, loras) for _ in range(n)]
         done = await self._run_all(gens)
         failed = [r.error for r in done if r.error]
         if failed:
