@@ -556,14 +556,15 @@ _TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json"
                     "chat_template.*", "*.tiktoken", "generation_config.json")
 
 
-def export_hf(learner: Any, base_model_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write the learner's current weights as an HF `save_pretrained` directory (config from
-    `base_model_dir`, its tokenizer and generation config copied), atomically: a temporary
-    sibling directory renamed into place (replacing an existing `out_dir`)."""
+def export_hf(learner: Any, base_model_dir: str | Path, out_dir: str | Path,
+              state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the learner's current weights (or `state`, HF names) as an HF `save_pretrained`
+    directory (config from `base_model_dir`, its tokenizer and generation config copied),
+    atomically: a temporary sibling directory renamed into place (replacing an existing `out_dir`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base, out = Path(base_model_dir), Path(out_dir)
-    sd = learner.hf_state_dict()
+    sd = learner.hf_state_dict() if state is None else state
     cfg = AutoConfig.from_pretrained(str(base))
     dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

@@ -343,17 +343,20 @@ class MegatronLearner:
         total |= {k: self.par.dp_max(max((c[k] for c in counts), default=0.0)) for k in offpolicy.MAX_KEYS}
         return offpolicy.metrics(total, with_ratio)
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
         """A host copy of the whole model under HF names, on every rank (collective over the
         model-parallel group: TP shards and PP stages are gathered); with LoRA, merged."""
-        return {name: t.to("cpu", copy=True) for name, t in self.hf_weights()}
+        return {name: t.to("cpu", copy=True) for name, t in self.hf_weights(merged)}
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The same one tensor at a time, without a copy of the model (model.hf_weights); with
+    def hf_weights(self, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The same one tensor at a time, without a copy of the model (model.hf_weights). With
         LoRA each adapted weight is W + s B A (lora.merged: the adapted weights are copied while
-        the export runs)."""
+        the export runs), or with `merged=False` the frozen base alone."""
         weights = hf_weights(self.model, self.bridge)
-        return lora.merged_weights(self.model, self.adapters, weights) if self.adapters else weights
+        if not self.adapters:
+            return weights
+        return lora.merged_weights(self.model, self.adapters, weights) if merged else \
+            lora.base_weights(self.model, weights)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's parameters and optimizer state (what parallelism divides)."""

@@ -190,6 +190,13 @@ def merged_weights(model: Any, adapters: list[Adapter], weights: Iterator[Any]) 
         yield from weights
 
 
+def base_weights(model: Any, weights: Iterator[Any]) -> Iterator[Any]:
+    """`weights` (an mbridge export of `model`, not yet started) of the base alone: the adapters
+    out of the module tree, W as it is."""
+    with detached(model):
+        yield from weights
+
+
 def _gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
     """Every TP rank's `t` (collective over the tensor-parallel group)."""
     from megatron.core import parallel_state as mpu

@@ -115,6 +115,7 @@ class SGLangClient:
         self._limit = limit
         self._session: aiohttp.ClientSession | None = None
         self.seen_version = 0  # the newest weight version a response showed (core/prefix_cache.py)
+        self.lora_path: str | None = None  # the LoRA adapter generation runs with when a call names none
         self.stale_prefix_retries = 0
 
     async def _sess(self) -> aiohttp.ClientSession:
@@ -183,6 +184,7 @@ class SGLangClient:
         With `lora_path` a StreamRL version name (`v12`), every output token is of that version
         (`lora_versions`)."""
         key, todo = self.seen_version, list(range(len(batch)))
+        lora_path = lora_path if lora_path is not None else self.lora_path
         out: list[GenerateResult | None] = [None] * len(batch)
         for attempt in range(STALE_PREFIX_RETRIES + 1):
             extra_key = prefix_cache.cache_key(key) if attempt == 0 else f"{prefix_cache.cache_key(key)}-{uuid.uuid4().hex}"

@@ -7,6 +7,14 @@ Paths (recipe `engines.weight_sync`):
   "flattened_bucket", one request per bucket). The group is re-formed when the set of engines changes
   (an engine restarted); a push that fails falls back to disk for that version.
 - `disk`: the learner writes HF safetensors, engines load them (`/update_weights_from_disk`).
+- LoRA (recipe learner.lora; docs/lora.md): only the adapters travel. The learner writes them as a
+  PEFT directory under RUN_DIR/weights/lora-v<version> and every engine loads it under the
+  version's name (`v12`, SGLang's `/load_lora_adapter`); new generations name it in `lora_path`
+  (the rollout workers' clients), a request keeps its adapter to the end, and its tokens carry
+  that adapter's version. The previous version's adapter stays loaded (calls made before the
+  workers heard of the new version); older ones are unloaded in the background (SGLang's unload
+  returns once no request uses them). The engines' own weights stay the base (`start_lora`).
+  `in_place` needs no pause at all: nothing a running request uses changes.
 (SGLang's `/update_weights_from_tensor` carries pickled tensors; StreamRL sends no pickle over
 the network, so that path is not offered. The embedded engine takes it with safetensors blobs
 instead: benchmarks/broadcast.py measures it.)
@@ -44,6 +52,7 @@ import torch
 from streamrl.connectors.sglang.client import SGLangClient
 from streamrl.connectors.sglang.router import Router
 from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, plan_buckets
+from streamrl.core.lora import adapter_name
 from streamrl.core.types import EnginePaused, EngineResumed, VersionPublished
 from streamrl.core.weight_group import weight_group
 from streamrl.runtime import faultpoint
@@ -61,7 +70,7 @@ def _default_backend() -> str:
 
 class VersionBroadcaster:
     def __init__(self, router: Router, learner: Any, weight_sync: str, policy: str, run_dir: Path, log: RunLog,
-                 host: str = "127.0.0.1", keep_weights: int = 2, tp: int = 1) -> None:
+                 host: str = "127.0.0.1", keep_weights: int = 2, tp: int = 1, lora: bool = False) -> None:
         self.router, self.learner, self.weight_sync, self.policy = router, learner, weight_sync, policy
         self.tp = tp  # every engine's tensor-parallel size (recipe engines.tp): each TP rank joins the group
         self.weights_dir = run_dir / "weights"
@@ -75,6 +84,9 @@ class VersionBroadcaster:
         self.history: list[dict[str, Any]] = []
         self.bucketed = True  # distributed: weight_sync's buckets (SGLang's flattened_bucket)
         self.backend = _default_backend()  # distributed: the weight group's (benchmarks/broadcast.py may set gloo)
+        self.lora = lora  # learner.lora: publish adapters (module doc)
+        self._adapters: list[int] = []  # versions whose adapters the engines hold, oldest first
+        self._unloads: set[asyncio.Task[Any]] = set()
 
     async def _ensure_group(self) -> None:
         urls = tuple(sorted(self.router.workers))
@@ -129,6 +141,39 @@ class VersionBroadcaster:
                 shutil.rmtree(old, ignore_errors=True)
         return path, failed
 
+    async def start_lora(self, version: int, base_changed: bool) -> dict[str, BaseException]:
+        """LoRA runs: the engines take the base weights (when they are not the model they started
+        with: an SFT warm-start) as version 0's weights, then `version`'s adapter."""
+        failed: dict[str, BaseException] = {}
+        if base_changed:
+            path = str(self.weights_dir / "base")
+            await self.learner.export.remote(path, None, True)
+            failed = await self._each(self.router.workers, lambda c: c.update_weights_from_disk(path, weight_version=0))
+        _, more = await self.push_lora(version)
+        return failed | more
+
+    async def push_lora(self, version: int, clients: dict[str, Any] | None = None
+                        ) -> tuple[str, dict[str, BaseException]]:
+        """Write `version`'s adapter and have the engines load it; the adapters two versions
+        back and older are unloaded in the background. Returns the path and the engines that failed."""
+        path = self.weights_dir / f"lora-v{version:06d}"
+        if not (path / "adapter_config.json").exists():
+            await self.learner.export_adapter.remote(str(path))
+        clients = self.router.workers if clients is None else clients
+        failed = await self._each(clients, lambda c: c.load_lora_adapter(adapter_name(version), str(path)))
+        if version not in self._adapters:
+            self._adapters.append(version)
+        old, self._adapters = self._adapters[:-2], self._adapters[-2:]
+        for v in old:
+            task = asyncio.create_task(self._each(self.router.workers,
+                                                  lambda c, v=v: c.unload_lora_adapter(adapter_name(v))))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+        if self.keep_weights:
+            for d in sorted(self.weights_dir.glob("lora-v*"))[:-max(self.keep_weights, 2)]:
+                shutil.rmtree(d, ignore_errors=True)
+        return str(path), failed
+
     async def _each(self, clients: dict[str, Any], call: Any) -> dict[str, BaseException]:
         """Run `call(client)` on every engine; returns the engines that failed (dead or dying:
         the launcher restarts them, and a restarted engine loads the current version itself)."""
@@ -139,7 +184,7 @@ class VersionBroadcaster:
                       finish_window_s: float = 0.0) -> dict[str, Any]:
         """Make every live engine serve `version`; returns timings (the finish window, pause window, push)."""
         mode = None
-        if interrupt:
+        if interrupt and not (self.lora and self.policy == "in_place"):  # LoRA in place: nothing to pause for
             mode = "in_place" if self.policy == "in_place" else "abort"
         window_s = 0.0
         if mode and self.policy == "finish_old" and finish_window_s > 0:
@@ -163,10 +208,16 @@ class VersionBroadcaster:
         # requests never match that cache: their clients key it by version (core/prefix_cache.py).
         flush = mode != "in_place"
         try:
-            if self.weight_sync != "distributed" or failed:
+            if self.lora:
+                path, lora_failed = await self.push_lora(version, live)
+                failed |= lora_failed
+            elif self.weight_sync != "distributed" or failed:
                 raise _UseDisk()
-            await self._push_distributed(version, flush)
+            else:
+                await self._push_distributed(version, flush)
         except Exception as e:  # noqa: BLE001 - an engine died: re-form the group next time, use disk now
+            if self.lora:  # the full weights on disk are merged: an engine would apply its adapters twice
+                raise
             if not isinstance(e, _UseDisk):
                 self.log.warn(f"weight push of version {version} over {self.weight_sync} failed ({e!r}); using disk")
             self._group_urls = () if self.weight_sync == "distributed" else self._group_urls
@@ -189,7 +240,19 @@ class VersionBroadcaster:
         return out
 
     async def on_engine_restart(self, index: int, url: str) -> None:
-        """A restarted engine loads the current version from disk before it takes traffic."""
+        """A restarted engine loads the current version from disk before it takes traffic (LoRA:
+        the base, then the current and the previous version's adapters)."""
+        if self.lora:
+            base = self.weights_dir / "base"
+            if not (base / "config.json").exists():
+                await self.learner.export.remote(str(base), None, True)
+            async with SGLangClient(url, keys=self.router.keys) as c:
+                await c.update_weights_from_disk(str(base), weight_version=0)
+                for v in self._adapters:  # what the others hold (each written when it was pushed)
+                    p = self.weights_dir / f"lora-v{v:06d}"
+                    if (p / "adapter_config.json").exists():
+                        await c.load_lora_adapter(adapter_name(v), str(p))
+            return
         path = str(self.weights_dir / f"v{self.version:06d}")
         if not Path(path, "config.json").exists():
             await self.learner.export.remote(path)

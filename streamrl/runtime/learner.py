@@ -10,6 +10,10 @@ on them (`learner.mini_batches` x `learner.epochs` optimizer steps, the off-poli
 applied) and returns the step's metrics, including which groups it used. The version it
 publishes is `learner.version`: one per claimed batch. Rank 0 hands the batch's learner rows to
 the other ranks (msgpack over the group's gloo control group; no pickle), so they never read the pool.
+With learner.lora the rank trains adapters only, attached after the SFT warm-start, and publishes
+them as a PEFT directory (`export_adapter`); `export(base=True)` writes the base they apply to.
+
+Long file: one learner rank's protocol (claim, train, checkpoint, restore, publish, LoRA) under one lock.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import torch.distributed as dist
 
 from streamrl.connectors.megatron import checkpoint as megatron_checkpoint
 from streamrl.connectors.megatron.learner import MegatronLearner, Sample, init_distributed
+from streamrl.connectors.megatron.lora import write_peft_dir
 from streamrl.connectors.ports import bind_host
 from streamrl.connectors.sglang import weight_sync
 from streamrl.core import algorithms as alg
+from streamrl.core import lora as lora_names
 from streamrl.core.algorithms.objective import Choice
 from streamrl.core.staleness import claimed_per_step, decide, mask_stale_tokens
 from streamrl.core.types import Batch, SampleGroup, from_msgpack, to_msgpack
@@ -96,7 +102,8 @@ class WeightSource:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self, base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """`base`: with LoRA, the frozen base without the adapters (what engines apply adapters to)."""
         yield from self.hf_state_dict().items()
 
     def _gather_only(self, weights: Iterator[Any]) -> None:
@@ -104,14 +111,16 @@ class WeightSource:
         for _ in weights:
             pass
 
-    def export(self, out_dir: str) -> str:
+    def export(self, out_dir: str, base: bool = False) -> str:
         """HF safetensors of the weights as they are now (disk weight sync, restarted engines,
-        the final model, a background evaluation's version)."""
+        the final model, a background evaluation's version); with LoRA merged, or with `base`
+        the base alone (the engines' weights under the adapters)."""
         with self._lock:
             if not self.sends:
-                self._gather_only(self.hf_weights())
+                self._gather_only(self.hf_weights(base))
                 return str(out_dir)
-            return str(megatron_checkpoint.export_hf(self, self.model_dir, out_dir))
+            state = {name: t.to("cpu") for name, t in self.hf_weights(base)}
+            return str(megatron_checkpoint.export_hf(self, self.model_dir, out_dir, state=state))
 
     def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
         with self._lock:
@@ -176,6 +185,11 @@ class LearnerDriver(WeightSource):
         self.pool = None
         if pool and rank == 0:
             self.pool = open_pool(recipe.pool_uri, create=True, config=recipe.pool, compact_every=recipe.pool.compact_every)
+        # learner.lora: adapters only, attached after the SFT warm-start (which trains the whole model)
+        # or, without one, before anything else happens (_lora_ready)
+        self._lora_pending = lc.lora is not None
+        if recipe.sft is None:
+            self._lora_ready()
         self.last_step = -1  # the learner step the current weights come from (-1: none yet)
         self.last_metrics: dict[str, Any] = {}  # that step's metrics: a checkpoint of it keeps them (see checkpoint)
 
@@ -207,6 +221,31 @@ class LearnerDriver(WeightSource):
                 s.routed_experts = arr.reshape(shape)
         return got
 
+    def _lora_ready(self) -> None:
+        """Attach the LoRA adapters (learner.lora) unless they are: after SFT, before anything
+        that trains, restores, checkpoints or publishes them (every rank at the same call)."""
+        if not self._lora_pending:
+            return
+        lo = self.r.learner.lora
+        assert lo is not None
+        self.learner.enable_lora(lo.rank, lo.alpha, lo.dropout, lora_names.targets(lo.target_modules)[0],
+                                 seed=self.r.run.seed)
+        self._lora_pending = False
+
+    def export_adapter(self, out_dir: str) -> str:
+        """The LoRA adapters as they are now, a PEFT directory (what a version push sends: SGLang's
+        /load_lora_adapter reads it); collective over the TP ranks, rank 0 writes."""
+        lo = self.r.learner.lora
+        assert lo is not None, "export_adapter needs learner.lora"
+        with self._lock:
+            self._lora_ready()
+            state = self.learner.lora_state()
+            if self.sends:
+                config = lora_names.adapter_config(lo.rank, lo.alpha, lo.dropout,
+                                                   lora_names.targets(lo.target_modules)[0], self.model_dir)
+                write_peft_dir(state, config, out_dir)
+        return str(out_dir)
+
     # ------------------------------------------------------------ SFT warm-start
 
     def sft(self, rows: list[tuple[list[int], list[int]]], steps: int, lr: float, batch_size: int,
@@ -226,6 +265,7 @@ class LearnerDriver(WeightSource):
         self.learner.nonfinite_skipped = 0  # the running count is of RL steps
         if self.learner.ref is not None:
             self.learner.ref.load_state_dict(self.learner.model.state_dict())
+        self._lora_ready()  # the warm-started model is the base the adapters train on
         return losses
 
     # ------------------------------------------------------------ RL
@@ -271,6 +311,7 @@ class LearnerDriver(WeightSource):
         t0 = time.perf_counter()
         tokens = sum(len(r.response) for r in rows)
         with self._lock:
+            self._lora_ready()
             stats = self.learner.rl_step(rows, self.cfg) if rows else {}
             train_s = time.perf_counter() - t0
             m = {"step": step, "policy_version": self.version, **(info or {}), "train_s": train_s,
@@ -315,6 +356,7 @@ class LearnerDriver(WeightSource):
         if version is None and megatron_checkpoint.latest_checkpoint(root) is None:
             return None
         with self._lock:
+            self._lora_ready()  # a LoRA run's checkpoints hold its adapters (and Adam's state of them alone)
             extra = megatron_checkpoint.load_checkpoint(self.learner, root, step=version)
             self.last_step = int(extra.get("step", self.version - 1))
             self.learner.nonfinite_skipped = int(extra.get("nonfinite_skipped_total", 0))
@@ -322,22 +364,23 @@ class LearnerDriver(WeightSource):
 
     # ------------------------------------------------------------ weights
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self, base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights as they are now, gathered one tensor at a time (collective: every rank
-        takes every item); take the items under the lock, before a step changes the weights."""
-        return self.learner.hf_weights()
+        takes every item); take the items under the lock, before a step changes the weights.
+        With LoRA merged, or with `base` the base alone."""
+        return self.learner.hf_weights(merged=not base)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """All of them in host memory (the HF export): each to the host as it is gathered, not a
         second model on the GPU (on CPU: the parameters themselves where tp = 1, read under the lock)."""
         return {name: t.to("cpu") for name, t in self.hf_weights()}
 
-    def export(self, out_dir: str, version: int | None = None) -> str:
+    def export(self, out_dir: str, version: int | None = None, base: bool = False) -> str:
         """`WeightSource.export`; `version`: the one the caller means (a background evaluation's),
         which must be the learner's now (the run exports it right after publishing it)."""
         if version is not None and version != self.version:
             raise RuntimeError(f"export of version {version} asked for, but the learner is at version {self.version}")
-        return super().export(out_dir)
+        return super().export(out_dir, base)
 
     def checkpoint(self, root: str, extra: dict[str, Any]) -> dict[str, Any]:
         """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step
@@ -345,6 +388,7 @@ class LearnerDriver(WeightSource):
         if os.environ.get(faultpoint.ENV):
             megatron_checkpoint._crash_point = lambda stage: faultpoint.reached(f"checkpoint.{stage}", self.r.run_dir)
         with self._lock:
+            self._lora_ready()
             step = self.last_step
             # The step's metrics too: when this step trained after the caller asked, the run may stop before the
             # driver logs them, and resume starts after this step (Services._restore writes them back).

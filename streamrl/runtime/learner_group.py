@@ -37,7 +37,7 @@ from streamrl.runtime import placement
 from streamrl.runtime.learner import LearnerDriver, quiet_megatron
 
 COLLECTIVE = frozenset({"train_step", "retrain", "sft", "restore", "checkpoint", "push_weights", "export",
-                        "weights_meta"})
+                        "weights_meta", "export_adapter"})
 EVERY_RANK = frozenset({"close"})  # on all ranks, but no collective inside: not ordered
 
 

@@ -31,6 +31,7 @@ import msgspec
 from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.sglang.client import ENGINE_FAILURES, SGLangClient, retryable
+from streamrl.core import lora as lora_names
 from streamrl.core import partial, routing, staleness
 from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_group_id
 from streamrl.plugins.data import PromptRecord, PromptSource
@@ -97,6 +98,7 @@ class RolloutWorker:
         self._next_engine = index  # workers start on different engines
         self._direct_failed = False
         self.version = version
+        self._set_adapter()
         self.max_staleness = recipe.staleness.max_staleness
         self.per_step = staleness.claimed_per_step(ro.groups_per_step, ro.over_sampling)
         self.budget = staleness.run_budget(recipe.run.steps, self.per_step)  # grown by the driver (add_budget)
@@ -118,9 +120,17 @@ class RolloutWorker:
 
     def set_version(self, version: int, max_staleness: int | None = None) -> None:
         self.version = max(self.version, version)  # calls queued for a worker being placed may run out of order
+        self._set_adapter()
         if max_staleness is not None:
             self.max_staleness = max_staleness
         self._wake.set()
+
+    def _set_adapter(self) -> None:
+        """learner.lora: new generations run with the adapter of the current version (engines keep
+        the previous one loaded for calls already under way); the client tags their tokens with it."""
+        if self.r.learner.lora is not None:
+            for c in (self.client, *self.direct):
+                c.lora_path = lora_names.adapter_name(self.version)
 
     def capacity(self) -> int:
         """This worker's share of the admission capacity, within the run's budget."""

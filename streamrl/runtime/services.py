@@ -116,7 +116,7 @@ class Services:
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               host=NODE if node else LOOPBACK, keep_weights=r.engines.keep_weights,
-                                              tp=r.engines.tp)
+                                              tp=r.engines.tp, lora=r.learner.lora is not None)
         (self.dir / "weights").mkdir(parents=True, exist_ok=True)
         kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed,
                   "weights_root": str((self.dir / "weights").resolve()),  # the only weights an engine may load
@@ -149,7 +149,12 @@ class Services:
         if bg_up is not None:
             await bg_up
         version = self.resumed.version
-        if r.sft is not None or version:
+        if r.learner.lora is not None:  # the base weights (an SFT warm-start's) and the version's adapter
+            failed = await self.broadcaster.start_lora(version, base_changed=r.sft is not None)
+            if failed:
+                raise RunFailed(f"engines could not load the base and adapter of version {version}: {failed}")
+            self.broadcaster.version = version
+        elif r.sft is not None or version:
             _, failed = await self.broadcaster.push_disk(version)
             if failed:
                 raise RunFailed(f"engines could not load the weights of version {version}: {failed}")

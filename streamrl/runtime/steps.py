@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from streamrl.connectors.sglang.client import SGLangClient
+from streamrl.core import lora as lora_names
 from streamrl.core import staleness
 from streamrl.core.evalstats import with_ci
 from streamrl.core.types import BatchClaimed
@@ -180,6 +181,8 @@ class Steps:
         if not self.r.data.eval_path:
             return None
         async with SGLangClient(self.svc.router.url, keys=self.svc.keys) as c:
+            if self.r.learner.lora is not None:  # the policy is the base + the served version's adapter
+                c.lora_path = lora_names.adapter_name(self.broadcaster.version)
             res = await evaluate(c, self.svc.tokenizer, eval_records(self.r), self.r)
         served = self.broadcaster.version  # what the engines serve (the learner may be a step ahead)
         wall = time.perf_counter() - self.t0 + self.wall_offset if self.steps else self.wall_offset

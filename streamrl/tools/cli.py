@@ -162,6 +162,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="tiny: Qwen2, ~0.1M parameters (tests); small: ~3M (quick-start learner); tiny-qwen3: "
                          "Qwen3 dense, ~0.1M; tiny-moe / small-moe: Qwen3-MoE, top-2 of 4 experts, ~0.16M / ~4M")
     mi.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    mm = ms.add_parser("merge-lora", help="merge a LoRA adapter (PEFT directory) into an HF model directory",
+                       description="Write OUT_DIR: BASE_DIR's model with ADAPTER_DIR's LoRA adapter merged into its "
+                                   "weights (W + alpha / r * B A). A LoRA run publishes its adapters under "
+                                   "RUN_DIR/weights/lora-v<version> and RUN_DIR/adapter; their base is RUN_DIR/sft_model "
+                                   "after an SFT warm-start, else the recipe's model.path (docs/lora.md).")
+    mm.add_argument("base_dir")
+    mm.add_argument("adapter_dir")
+    mm.add_argument("out_dir")
 
     e = sub.add_parser("engine", help="run the embedded CPU engine (SGLang's HTTP API)")
     es = e.add_subparsers(dest="engine_cmd", required=True, metavar="ACTION")
@@ -411,6 +419,16 @@ def _dispatch(args: argparse.Namespace) -> int:
             return report_command(args.run_dir, args.out, args.json)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.cmd == "model" and args.model_cmd == "merge-lora":
+        # torch and transformers load for this command alone
+        from streamrl.tools.merge_lora import merge_lora
+
+        try:
+            out = merge_lora(args.base_dir, args.adapter_dir, args.out_dir)
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"merge-lora: {e}") from None
+        print(f"wrote {out}: {args.base_dir} with {args.adapter_dir} merged in")
+        return 0
     if args.cmd == "model":
         out = init_model_dir(args.out_dir, args.preset, args.seed)
         print(f"wrote {args.preset} model and tokenizer to {out}")
