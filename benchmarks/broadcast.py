@@ -20,7 +20,8 @@ the preset's model (seed 0). This process plays the learner: it holds a second s
 
 After every push each engine is checked: its weight_version is the pushed one and the log-probs
 of a greedy generation equal those of the expected weights computed here (and differ from the
-other set's). A push that did not land fails the benchmark.
+other set's). A push that did not land fails the benchmark. `--lora` adds LoRA adapter pushes next to the full
+weights' (benchmarks/broadcast_lora.py: push_bytes / push_s / pause_s {full, lora} per preset).
 
 Prints one JSON object on stdout (progress on stderr); every engine it starts is stopped on the way out.
 """
@@ -54,6 +55,7 @@ from streamrl.runtime.broadcast import VersionBroadcaster  # noqa: E402
 from streamrl.runtime.learner import WeightSource  # noqa: E402
 from streamrl.runtime.runlog import RunLog  # noqa: E402
 
+from benchmarks import broadcast_lora  # noqa: E402
 from benchmarks._common import emit, git_rev, log, machine, start_engine, stop  # noqa: E402
 
 PATHS = ("distributed", "distributed_per_tensor", "disk", "tensor")
@@ -202,6 +204,14 @@ class Bench:
                 bc.backend = self.args.backend or bc.backend
                 out[f"engines_{n}"] = {p: await self.path(p, bc, sender, workers, check, states, model_bytes)
                                        for p in self.args.paths}
+            if self.args.lora:  # adapters against the full weights' disk push, on the first engine count
+                n = self.args.engines[0]
+                out["lora"] = await broadcast_lora.measure(self.work / preset, models[0].cpu(), model_dir, clients[:n],
+                                                           self.args.repeats, out[f"engines_{n}"]["disk"],
+                                                           model_bytes, self.version)
+                self.version = out["lora"]["last_version"]
+                log(f"  lora rank {out['lora']['rank']}: {out['lora']['push_bytes']}, push_s {out['lora']['push_s']}, "
+                    f"pause_s {out['lora']['pause_s']}")
             return out
         finally:
             for c in clients:
@@ -307,6 +317,9 @@ def parse_args() -> argparse.Namespace:
                     help="the weight group's backend (default: nccl when torch sees a GPU, else gloo, as a run)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the sender (the learner) holds the weights (default cpu)")
+    ap.add_argument("--lora", action="store_true",
+                    help="also push LoRA adapters (benchmarks/broadcast_lora.py): push_bytes/push_s/pause_s {full, lora}; "
+                         "needs the disk path")
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = ap.parse_args()
     args.presets = args.presets.split(",")
@@ -315,6 +328,8 @@ def parse_args() -> argparse.Namespace:
     if bad := [p for p in args.paths if p not in PATHS]:
         ap.error(f"unknown paths {bad}; choose from {', '.join(PATHS)}")
     args.repeats = args.repeats or (3 if args.quick else 10)
+    if args.lora and "disk" not in args.paths:
+        ap.error("--lora compares against the disk path: include disk in --paths")
     return args
 
 
@@ -354,7 +369,8 @@ def main() -> None:
         **presets,
         "config": {"presets": args.presets, "engines": args.engines, "paths": args.paths, "repeats": args.repeats,
                    "backend": args.backend or "auto", "device": args.device,
-                   "load_per_engine": LOAD_PER_ENGINE, "engine_threads": 1, "pause_mode": "in_place"},
+                   "load_per_engine": LOAD_PER_ENGINE, "engine_threads": 1, "pause_mode": "in_place",
+                   "lora": args.lora},
         "git": git_rev(),
         "machine": machine(load0, ("torch", "safetensors", "aiohttp")),
         "wall_s": round(time.perf_counter() - wall0, 1),

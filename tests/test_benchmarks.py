@@ -97,6 +97,8 @@ def _engine_throughput(d: dict[str, Any]) -> None:
 def _broadcast(d: dict[str, Any]) -> None:
     # Every push is checked on the engine (weight_version and log-probs) or the run fails.
     assert set(d["tiny"]["engines_1"]) >= {"distributed", "disk", "tensor"}, d["tiny"]
+    lora = d["tiny"]["lora"]  # every adapter push is checked too (log-probs of base + adapter, its version)
+    assert 0 < lora["push_bytes"]["lora"] < lora["push_bytes"]["full"] and lora["push_s"]["lora"] > 0, lora
 
 
 def _learner_step(d: dict[str, Any]) -> None:
@@ -205,7 +207,7 @@ SMOKES: dict[str, Smoke] = {
                                 "--max-new-tokens", "4", "--group-n", "2", "--group-clients", "1",
                                 "--group-prompt-tokens", "8"), _engine_throughput),
     "broadcast": Smoke(("broadcast.py", "--presets", "tiny", "--engines", "1", "--repeats", "1",
-                        "--memcopy-repeats", "1"), _broadcast),
+                        "--memcopy-repeats", "1", "--lora"), _broadcast),
     "learner_step": Smoke(("learner_step.py", *TINY_BATCH), _learner_step),
     # Every check of the GPU machine's run that the CPU can do (~25 s); gpu_check.sh itself: test above.
     "gpu_check": Smoke(("gpu_check.py", "--cpu", "--steps", "1", "--new-tokens", "4"), _gpu_check),

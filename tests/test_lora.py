@@ -232,8 +232,21 @@ PUSH = textwrap.dedent("""
         p = len(r.input_ids)
         mine = logp[i, p - 1: p - 1 + len(r.output_ids)]
         diffs.append(float((mine - torch.tensor(r.logprobs)).abs().max()))
+    # the merged weights (streamrl model merge-lora must write the same), and a checkpoint round trip
+    from safetensors.torch import save_file
+    from streamrl.connectors.megatron.checkpoint import load_checkpoint, save_checkpoint
+    save_file({k: v.contiguous() for k, v in learner.hf_state_dict().items()}, f"{out}/merged.safetensors")
+    save_checkpoint(learner, f"{out}/ckpt")
+    other = MegatronLearner(model_dir, lr=2e-2, micro_batch_size=8)
+    other.enable_lora(4, 8.0, 0.0, list(names.FUSED), seed=5)  # other A, zero B: the checkpoint must replace both
+    load_checkpoint(other, f"{out}/ckpt")
+    saved, loaded = learner.lora_state(), other.lora_state()
+    moments = [(learner.opt.param_states()[p], other.opt.param_states()[q]) for p, q in zip(learner.params, other.params)]
     print(json.dumps({"with": max(diffs[:4]), "without": min(diffs[4:]),
-                      "spans": [r.spans for r in done], "b_norm": max(float(a.B.abs().max()) for a in learner.adapters)}))
+                      "spans": [r.spans for r in done], "b_norm": max(float(a.B.abs().max()) for a in learner.adapters),
+                      "ckpt_adapter_diff": max(float((saved[k] - loaded[k]).abs().max()) for k in saved),
+                      "ckpt_moment_diff": max(float((a[k] - b[k]).abs().max()) for a, b in moments for k in a),
+                      "ckpt_version": other.version}))
 """)
 
 
@@ -246,6 +259,19 @@ def test_engine_logprobs_after_an_adapter_push_equal_the_learners(model_dir: Pat
     assert res["with"] < 1e-4, res  # fp32 noise
     assert res["without"] > 1e-3, res  # without the adapter the engine is the base model: not the learner
     assert all(s == [["3", 0, 8]] for s in res["spans"][:4]) and all(s == [["0", 0, 8]] for s in res["spans"][4:])
+    # the checkpoint holds the adapters and Adam's state of them
+    assert res["ckpt_adapter_diff"] == 0.0 and res["ckpt_moment_diff"] == 0.0 and res["ckpt_version"] == 3, res
+    # streamrl model merge-lora (base HF directory + the pushed PEFT directory) = the learner's merged export
+    from safetensors.torch import load_file
+
+    r = subprocess.run([sys.executable, "-m", "streamrl", "model", "merge-lora", str(model_dir),
+                        str(tmp_path / "lora-v000003"), str(tmp_path / "merged-model")], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = load_file(str(tmp_path / "merged.safetensors"))
+    got = load_file(str(tmp_path / "merged-model" / "model.safetensors"))
+    assert set(want) - {"lm_head.weight"} <= set(got)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want if k in got) < 1e-6
 
 
 def _random_adapter(model_dir: Path, out: Path, rank: int = 2) -> Path:

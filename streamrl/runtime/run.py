@@ -133,7 +133,7 @@ def _clear(d: Path) -> None:
     for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json", RECIPE, "frozen_at", MODULES_FILE,
                  "endpoints.json", "producer_token", "producer.json", "producer.lock"):
         (d / name).unlink(missing_ok=True)
-    for name in ("pool", "checkpoints", "weights", "model", "sft_model", "logs", "report"):
+    for name in ("pool", "checkpoints", "weights", "model", "adapter", "sft_model", "logs", "report"):
         shutil.rmtree(d / name, ignore_errors=True)
 
 

@@ -24,6 +24,7 @@ from streamrl.connectors.auth import Keys, write_private
 from streamrl.connectors.ports import LOOPBACK, NODE, bind_host
 from streamrl.connectors.sglang.launcher import EngineLauncher, RayUnavailable, engine_gpus, ensure_ray
 from streamrl.connectors.sglang.router import Router
+from streamrl.core import lora as lora_names
 from streamrl.core.staleness import capacity_shares
 from streamrl.core.types import RunCheckpointed
 from streamrl.producers.api_process import start_service_process, stop_service_process
@@ -41,6 +42,7 @@ from streamrl.runtime.workers import Crew
 from streamrl.tools.loggers import LoggerUnavailable, open_loggers
 
 ROUTED_FLAG = "--enable-return-routed-experts"  # SGLang 0.5.23 server flag for rollout.routing
+LORA_FLAG = "--enable-lora"  # SGLang 0.5.23: serve LoRA adapters (learner.lora)
 
 
 class Services:
@@ -124,6 +126,12 @@ class Services:
         extra = list(r.engines.extra_args)
         if r.engines.backend == "sglang" and model_routing(r) and ROUTED_FLAG not in extra:
             extra.append(ROUTED_FLAG)  # SGLang captures routed experts only with it (the embedded engine always can)
+        if r.engines.backend != "embedded" and r.learner.lora is not None and LORA_FLAG not in extra:
+            # SGLang loads adapters at run time only when started for them (its lora_hook.py: without
+            # --lora-paths it wants the largest rank and the modules up front)
+            lo = r.learner.lora
+            extra += [LORA_FLAG, "--max-lora-rank", str(lo.rank), "--lora-target-modules",
+                      *lora_names.hf_modules(lora_names.targets(lo.target_modules)[0])]
         self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
                                       log_dir=self.dir / "logs", extra_args=extra, tp=r.engines.tp,
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
@@ -198,7 +206,9 @@ class Services:
         self.log.event(RunCheckpointed(step=ck["step"], version=ck["version"], path=ck["path"], at=now_ns()))
 
     async def export(self) -> str:
-        """The final policy in HF format (RUN_DIR/model)."""
+        """The final policy in HF format (RUN_DIR/model; LoRA: merged, and the adapter alone in RUN_DIR/adapter)."""
+        if self.r.learner.lora is not None:
+            await self.learner.export_adapter.remote(str(self.dir / "adapter"))
         return await self.learner.export.remote(str(self.dir / "model"))
 
     # ------------------------------------------------------------ stop
