@@ -207,7 +207,7 @@ SMOKES: dict[str, Smoke] = {
                                 "--max-new-tokens", "4", "--group-n", "2", "--group-clients", "1",
                                 "--group-prompt-tokens", "8"), _engine_throughput),
     "broadcast": Smoke(("broadcast.py", "--presets", "tiny", "--engines", "1", "--repeats", "1",
-                        "--memcopy-repeats", "1", "--lora"), _broadcast),
+                        "--memcopy-repeats", "1", "--lora"), _broadcast, covers=("broadcast_lora",)),
     "learner_step": Smoke(("learner_step.py", *TINY_BATCH), _learner_step),
     # Every check of the GPU machine's run that the CPU can do (~25 s); gpu_check.sh itself: test above.
     "gpu_check": Smoke(("gpu_check.py", "--cpu", "--steps", "1", "--new-tokens", "4"), _gpu_check),
