@@ -26,7 +26,7 @@ sharded tensors of their own (`Adapter.sharded_state_dict`: B of a column layer 
 A of a row layer by columns; linear_fc1's B with megatron's gate/up factory like its weight), so
 they load across TP layouts. The publishing forms: `merged` (W + s B A in place of each W while
 mbridge exports the HF weights: a full push, the HF export) and `adapter_state` (PEFT tensors:
-the version push to engines, `streamrl export-model --adapter`).
+the version push to engines, RUN_DIR/adapter, which `streamrl model merge-lora` merges into a base).
 
 megatron-core is imported inside the functions, as in the other modules of this package: the
 driver process imports the learner's modules without paying megatron's 5 s import.
