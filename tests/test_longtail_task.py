@@ -44,7 +44,7 @@ def test_chain_stops_at_the_first_value_below_the_hundred():
 def test_verifier_scores_the_whole_chain():
     label = "307;307-5=302;302-5=297"
     assert countdown_reward(label, label) == {"reward": 1.0, "exact": 1.0, "prefix": 1.0, "final": 1.0,
-                                              "steps_right": 1.0}
+                                              "steps_right": 1.0, "first_error": -1.0}
     assert countdown_reward(f" {label}\n", label)["reward"] == 1.0
     slipped = countdown_reward("307;307-5=303;303-5=298", label)  # a wrong step carried on
     assert slipped["reward"] == 0.0 and slipped["final"] == 0.0 and slipped["steps_right"] == pytest.approx(1 / 3)

@@ -177,17 +177,23 @@ def countdown_reward(response: str, label: str, partial_credit: float = 0.0, **_
     steps right from the start before the first wrong one, over the longer of the two chains (so
     stopping late costs as stopping early does) - still checked against the recomputed chain, and a
     chain is rewarded in full only when exact. Components: `exact`, `prefix`, `final` (its last number
-    is the right one), `steps_right` (the label's steps written correctly in place)."""
+    is the right one), `steps_right` (the label's steps written correctly in place), `first_error`
+    (the offset in `response` of its first character that differs from the exact chain, its length
+    when it stops short; -1 when exact: what learner.negative_credit first_error blames)."""
     if not 0.0 <= partial_credit <= 1.0:
         raise ValueError(f"reward.args.partial_credit must be within [0, 1], got {partial_credit!r}")
-    got, want = response.strip().split(";"), str(label).strip().split(";")
+    text, chain = response.strip(), str(label).strip()
+    got, want = text.split(";"), chain.split(";")
+    wrong = next((i for i, (g, w) in enumerate(zip(text, chain)) if g != w), min(len(text), len(chain)))
+    first_error = -1 if text == chain else len(response) - len(response.lstrip()) + wrong
     right = sum(g == w for g, w in zip(got, want))
     lead = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
     prefix = lead / max(len(got), len(want))
     exact = float(got == want)
     last = got[-1].rsplit("=", 1)[-1]
     return {"reward": (1 - partial_credit) * exact + partial_credit * prefix, "exact": exact, "prefix": prefix,
-            "final": float(last == want[-1].rsplit("=", 1)[-1]), "steps_right": right / len(want)}
+            "final": float(last == want[-1].rsplit("=", 1)[-1]), "steps_right": right / len(want),
+            "first_error": float(first_error)}
 
 
 def write_longtail_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: int = 128,

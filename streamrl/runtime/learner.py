@@ -38,6 +38,7 @@ from streamrl.connectors.megatron.lora import write_peft_dir
 from streamrl.connectors.ports import bind_host
 from streamrl.connectors.sglang import weight_sync
 from streamrl.core import algorithms as alg
+from streamrl.core import credit
 from streamrl.core import lora as lora_names
 from streamrl.core.algorithms.objective import Choice
 from streamrl.core.staleness import claimed_per_step, decide, mask_stale_tokens
@@ -48,9 +49,11 @@ from streamrl.recipe import Recipe, learner_layout, resolve_fn
 from streamrl.runtime import faultpoint
 
 
-def learner_rows(groups: list[SampleGroup], advantage: Choice) -> tuple[list[Sample], list[float]]:
+def learner_rows(groups: list[SampleGroup], advantage: Choice,
+                 negative_credit: str = "sequence") -> tuple[list[Sample], list[float]]:
     """Learner rows and the scored rewards of a batch; `advantage` is `learner.advantage`, a
-    built-in name or the user's function (step.sample_advantages)."""
+    built-in name or the user's function (step.sample_advantages); `negative_credit`:
+    `first_error` trains a below-average sample on the token its verifier blames (core/credit.py)."""
     scored = [alg.scored(g) for g in groups]
     rewards = [[float(s.reward) for s in grp] for grp in scored]  # type: ignore[arg-type]
     advs = alg.sample_advantages(rewards, advantage)
@@ -60,7 +63,9 @@ def learner_rows(groups: list[SampleGroup], advantage: Choice) -> tuple[list[Sam
         for s, adv in zip(grp, a):
             rows.append(Sample(prompt=prompt, response=s.response_tokens.tolist(), advantage=float(adv),
                                rollout_logprobs=s.rollout_logprobs.tolist(), group=gi,
-                               loss_mask=s.loss_mask.tolist(), routed_experts=s.routed_experts))
+                               loss_mask=credit.error_mask(s.loss_mask.tolist(), adv, s.rewards.get(credit.ERROR_TOKEN))
+                               if negative_credit == "first_error" else s.loss_mask.tolist(),
+                               routed_experts=s.routed_experts))
     return rows, [r for grp in rewards for r in grp]
 
 
@@ -302,7 +307,7 @@ class LearnerDriver(WeightSource):
             time.sleep(0.05)
         wait_s = time.perf_counter() - t_wait
         batch.groups = batch_order(batch.groups)
-        rows, rewards = learner_rows(batch.groups, self.cfg.advantage)
+        rows, rewards = learner_rows(batch.groups, self.cfg.advantage, self.cfg.negative_credit)
         m = self._train(step, self._share(rows) or [], {"wait_s": wait_s, **batch_metrics(batch, rewards),
                                                        "stale_dropped_total": self.stale_dropped()})
         return m
@@ -337,7 +342,7 @@ class LearnerDriver(WeightSource):
                 v = g.consumed_version if g.consumed_version is not None else self.version
                 if decide(v, g.min_version if g.min_version is not None else v, max_staleness, "mask") == "mask":
                     mask_stale_tokens(g, v, max_staleness)
-        rows, rewards = learner_rows(groups, self.cfg.advantage)
+        rows, rewards = learner_rows(groups, self.cfg.advantage, self.cfg.negative_credit)
         return self._train(step, self._share(rows) or [], {
             "groups": [g.group_id for g in groups], "samples": sum(len(g.samples) for g in groups),
             "reward_mean": float(np.mean(rewards)) if rewards else float("nan")})

@@ -32,7 +32,7 @@ from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.sglang.client import ENGINE_FAILURES, SGLangClient, retryable
 from streamrl.core import lora as lora_names
-from streamrl.core import partial, routing, staleness
+from streamrl.core import credit, partial, routing, staleness
 from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_group_id
 from streamrl.plugins.data import PromptRecord, PromptSource
 from streamrl.pools import open_pool
@@ -57,6 +57,17 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], tools: lis
 
 def decode_response(tokenizer: Any, tokens: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def blame_token(tokenizer: Any, tokens: list[int], components: dict[str, Any]) -> dict[str, Any]:
+    """`components` with the token holding the reward's `first_error` character (core/credit.py),
+    found from the decoded lengths of the response's token prefixes; as they were without one."""
+    offset = components.get(credit.ERROR_CHAR)
+    if not isinstance(offset, int | float) or offset < 0:
+        return components
+    ends = [len(decode_response(tokenizer, tokens[:k + 1])) for k in range(len(tokens))]
+    k = credit.token_of_char(ends, offset)
+    return components if k is None else {**components, credit.ERROR_TOKEN: float(k)}
 
 
 class RolloutWorker:
@@ -452,7 +463,8 @@ class RolloutWorker:
         samples = []
         for t, s, sc in zip(trajs, stored, scored):
             gen_error = t.error
-            s.reward, s.rewards = (None, {}) if gen_error else (sc.reward, dict(sc.components))
+            s.reward, s.rewards = (None, {}) if gen_error else (sc.reward, blame_token(self.tokenizer, t.tokens,
+                                                                                       dict(sc.components)))
             s.error = gen_error or sc.error
             s.failed = s.error is not None
             if s.failed:

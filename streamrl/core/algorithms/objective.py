@@ -33,6 +33,7 @@ class RLConfig:
     advantage: Choice = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp (advantages.py) | a function
     loss: Choice = "ppo"  # ppo (losses.policy_loss) | a function
     loss_agg: str = "token"
+    negative_credit: str = "sequence"  # sequence | first_error (streamrl/core/credit.py)
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
     dual_clip: float | None = None

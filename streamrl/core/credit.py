@@ -1,0 +1,45 @@
+"""Verifier-located credit (recipe `learner.negative_credit: first_error`).
+
+GRPO spreads a sample's advantage over all its tokens. On a long verifiable chain that goes wrong
+once, that pushes down every step the verifier found right (noise that the group's successes must
+cancel) and every step written after the mistake, which are often right given the wrong number
+before them (so the push teaches wrong arithmetic). When the reward function can say where the
+response first goes wrong - a reward component `first_error`, the character offset of the first
+wrong character of the response text it was given - a below-average sample can train on that
+token alone: the one decision the verifier blames. Above-average samples keep every token.
+
+The rollout worker maps the character to a token (`token_of_char`, from the decoded lengths of
+the response's token prefixes) and stores it as the component `first_error_token`; the learner
+masks (`error_mask`). Pure functions: no tokenizer, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+ERROR_CHAR = "first_error"  # reward component: offset of the first wrong character (absent or < 0: none found)
+ERROR_TOKEN = "first_error_token"  # stored beside it: the index of the response token holding that character
+
+
+def token_of_char(char_ends: Sequence[int], offset: float) -> int | None:
+    """The response token holding character `offset` of the response text; `char_ends[k]` is the
+    length of the text of tokens[:k + 1]. An offset at or past the end of the text (the chain
+    stopped too early: what is wrong is where it stopped) is the last token. None when there are
+    no tokens or no error (offset < 0)."""
+    if not char_ends or offset < 0:
+        return None
+    return next((k for k, end in enumerate(char_ends) if end > offset), len(char_ends) - 1)
+
+
+def error_mask(loss_mask: Sequence[int], advantage: float, error_token: float | None) -> list[int]:
+    """The loss mask a sample trains with under `first_error`: below average (advantage < 0) with
+    a located error on a token it trains on -> that token alone; otherwise its own mask."""
+    mask = [int(m) for m in loss_mask]
+    if advantage >= 0 or error_token is None:
+        return mask
+    k = int(error_token)
+    if not 0 <= k < len(mask) or not mask[k]:
+        return mask
+    out = [0] * len(mask)
+    out[k] = 1
+    return out
