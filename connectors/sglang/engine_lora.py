@@ -33,7 +33,6 @@ from aiohttp import web
 
 from streamrl.core import lora as names
 
-_PREFIX, _A, _B = "base_model.model.", ".lora_A.weight", ".lora_B.weight"
 TENSOR_FORMAT = "safetensors"
 
 
@@ -86,11 +85,7 @@ class Adapters:
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
         own = dict(self.model.named_modules())
         modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for key, a in tensors.items():
-            if not key.endswith(_A):
-                continue
-            mod = key[len(_PREFIX):-len(_A)] if key.startswith(_PREFIX) else key[:-len(_A)]
-            b = tensors.get(key[:-len(_A)] + _B)
+        for mod, key, a, b in names.modules_of(tensors):
             lin = own.get(mod)
             if b is None or not isinstance(lin, torch.nn.Linear):
                 raise ValueError(f"adapter tensor {key}: no lora_B beside it or no linear module {mod} in the model")

@@ -77,6 +77,18 @@ def adapter_config(rank: int, alpha: float, dropout: float, layers: list[str], b
             "init_lora_weights": True}
 
 
+def modules_of(tensors: dict[str, Any]) -> list[tuple[str, str, Any, Any]]:
+    """(HF module name, its lora_A key, lora_A, lora_B or None) of each adapted module of PEFT
+    tensors (`peft_name`'s form; the `base_model.model.` prefix optional)."""
+    a_end, b_end, prefix = ".lora_A.weight", ".lora_B.weight", "base_model.model."
+    out = []
+    for key, a in tensors.items():
+        if key.endswith(a_end):
+            stem = key[:-len(a_end)]
+            out.append((stem[len(prefix):] if stem.startswith(prefix) else stem, key, a, tensors.get(stem + b_end)))
+    return out
+
+
 def adapter_name(version: int) -> str:
     """The engines' name for the adapter of policy version `version` (lora_path on /generate)."""
     return f"v{version}"

@@ -18,19 +18,13 @@ from streamrl.connectors.megatron.checkpoint import export_hf
 from streamrl.connectors.sglang.engine_lora import read_peft_dir
 from streamrl.core import lora as names
 
-_A, _B, _PREFIX = ".lora_A.weight", ".lora_B.weight", "base_model.model."
-
 
 def merged_state(base: dict[str, torch.Tensor], config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`base` (HF names) with each adapted module's weight W + s B A (fp32 sum, W's dtype)."""
     s = names.scaling(int(config["r"]), float(config.get("lora_alpha", config["r"])))
     out = dict(base)
-    for key, a in tensors.items():
-        if not key.endswith(_A):
-            continue
-        module = key[len(_PREFIX):-len(_A)] if key.startswith(_PREFIX) else key[:-len(_A)]
+    for module, key, a, b in names.modules_of(tensors):
         w = out.get(module + ".weight")
-        b = tensors.get(key[:-len(_A)] + _B)
         if w is None or b is None:
             raise ValueError(f"adapter tensor {key}: the base has no {module}.weight or the adapter no lora_B beside it")
         out[module + ".weight"] = (w.float() + s * b.float() @ a.float()).to(w.dtype)
