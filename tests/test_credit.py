@@ -29,11 +29,24 @@ def test_countdown_reward_names_the_first_wrong_character(response: str, want: i
 
 def test_token_of_char_maps_offsets_through_prefix_lengths() -> None:
     ends = [3, 4, 7, 7, 9]  # token texts "950", ";", "950", "" (a special token), "-7"
-    assert credit.token_of_char(ends, 0) == 0 and credit.token_of_char(ends, 2) == 0
-    assert credit.token_of_char(ends, 3) == 1 and credit.token_of_char(ends, 6) == 2
-    assert credit.token_of_char(ends, 7) == 4  # the empty token holds no character
-    assert credit.token_of_char(ends, 9) == 4 and credit.token_of_char(ends, 50) == 4  # past the end: the last token
-    assert credit.token_of_char(ends, -1) is None and credit.token_of_char([], 0) is None
+    asked: list[int] = []
+
+    def end_of(k: int) -> int:
+        asked.append(k)
+        return ends[k]
+
+    def token(offset: float) -> int | None:
+        return credit.token_of_char(end_of, len(ends), offset)
+
+    assert token(0) == 0 and token(2) == 0
+    assert token(3) == 1 and token(6) == 2
+    assert token(7) == 4  # the empty token holds no character
+    assert token(9) == 4 and token(50) == 4  # past the end: the last token
+    assert token(-1) is None and credit.token_of_char(end_of, 0, 0) is None
+    asked.clear()
+    many = [2 * k + 2 for k in range(200)]
+    assert credit.token_of_char(lambda k: asked.append(k) or many[k], 200, 101) == 50  # "end 102" holds char 101
+    assert len(asked) <= 9  # a binary search: a decode per question
 
 
 def test_error_mask_keeps_only_the_blamed_token_of_a_negative_sample() -> None:

@@ -8,27 +8,29 @@ response first goes wrong - a reward component `first_error`, the character offs
 wrong character of the response text it was given - a below-average sample can train on that
 token alone: the one decision the verifier blames. Above-average samples keep every token.
 
-The rollout worker maps the character to a token (`token_of_char`, from the decoded lengths of
-the response's token prefixes) and stores it as the component `first_error_token`; the learner
+The rollout worker maps the character to a token (`token_of_char`, a binary search over the
+decoded lengths of the response's token prefixes) and stores it as the component `first_error_token`; the learner
 masks (`error_mask`). Pure functions: no tokenizer, no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Callable, Sequence
 
 ERROR_CHAR = "first_error"  # reward component: offset of the first wrong character (absent or < 0: none found)
 ERROR_TOKEN = "first_error_token"  # stored beside it: the index of the response token holding that character
 
 
-def token_of_char(char_ends: Sequence[int], offset: float) -> int | None:
-    """The response token holding character `offset` of the response text; `char_ends[k]` is the
-    length of the text of tokens[:k + 1]. An offset at or past the end of the text (the chain
-    stopped too early: what is wrong is where it stopped) is the last token. None when there are
-    no tokens or no error (offset < 0)."""
-    if not char_ends or offset < 0:
+def token_of_char(end_of: Callable[[int], int], n: int, offset: float) -> int | None:
+    """The response token holding character `offset` of the response text, among `n` tokens;
+    `end_of(k)` is the length of the text of tokens[:k + 1] (non-decreasing in k, so a binary
+    search asks for ~log2(n) of them: each is a decode). An offset at or past the end of the text
+    (the chain stopped too early: what is wrong is where it stopped) is the last token. None when
+    there are no tokens or no error (offset < 0)."""
+    if n <= 0 or offset < 0:
         return None
-    return next((k for k, end in enumerate(char_ends) if end > offset), len(char_ends) - 1)
+    return min(bisect.bisect_right(range(n), offset, key=end_of), n - 1)
 
 
 def error_mask(loss_mask: Sequence[int], advantage: float, error_token: float | None) -> list[int]:

@@ -65,8 +65,7 @@ def blame_token(tokenizer: Any, tokens: list[int], components: dict[str, Any]) -
     offset = components.get(credit.ERROR_CHAR)
     if not isinstance(offset, int | float) or offset < 0:
         return components
-    ends = [len(decode_response(tokenizer, tokens[:k + 1])) for k in range(len(tokens))]
-    k = credit.token_of_char(ends, offset)
+    k = credit.token_of_char(lambda k: len(decode_response(tokenizer, tokens[:k + 1])), len(tokens), offset)
     return components if k is None else {**components, credit.ERROR_TOKEN: float(k)}
 
 
