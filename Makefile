@@ -35,7 +35,7 @@ quickstart: $(STAMP)
 # Two workers, whole files each (module fixtures and a file's runs stay together): the suite is
 # mostly end-to-end runs waiting on engines, so the second core halves the wall time. PYTEST_ARGS="-n 0" runs it serially.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
