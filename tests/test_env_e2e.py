@@ -33,9 +33,10 @@ def _recipe(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path], mode: 
         "reward": None, "staleness.partial_rollout": policy, "rollout.max_new_tokens": 4})
 
 
+# A lockstep case (policy restart) was dropped when CI neared 30 minutes: lockstep interrupts no episode, so
+# it ran no path these two do not (lockstep itself: tests/test_stream_e2e.py).
 @pytest.mark.parametrize("mode, fn, policy", [
     ("stream", "streamrl.recipes.envs.calculator:solve_openai", "in_place"),
-    ("lockstep", "streamrl.recipes.envs.calculator:solve", "restart"),
     ("one_step_off", "streamrl.recipes.envs.calculator:solve", "abort_resume"),
 ])
 def test_env_runs_store_exact_conversations(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],

@@ -67,9 +67,10 @@ def scripted_model(tmp_path_factory: pytest.TempPathFactory) -> str:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % 100 == 0:
+        if step % 20 == 0:  # checked often: it learned in 80 steps (2026-11-28), 100 were the old first check
             model.eval()
             if all(hf_greedy(model, p, len(r)) == r for p, r in rows):
+                print(f"the scripted model learned its replies in {step} steps")
                 break
             model.train()
     else:
