@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from streamrl.core import partial, spans, staleness
+from streamrl.core import lengths, partial, spans, staleness
 from streamrl.core.ledger import compute_ledger
 from streamrl.core.types import VersionSpan
 
@@ -48,6 +48,18 @@ class Lengths:
     sigma: float = 1.0
     values: list[int] | None = None  # empirical: lengths with their counts
     counts: list[int] | None = None
+    # The share of the (normal-score) length variance within one prompt's samples: 1 = no prompt runs
+    # longer than another (nothing to predict); 0.3 = a prompt's own scale explains 70% of it.
+    within: float = 1.0
+
+    def at(self, z: float) -> int:
+        """The length at standard-normal score z (the distribution's quantile at Phi(z)): a prompt
+        draws its score, its samples spread around it (a Gaussian copula, any marginal)."""
+        if self.values:
+            cum = list(itertools.accumulate(self.counts or [1] * len(self.values)))
+            u = 0.5 * (1 + math.erf(z / math.sqrt(2)))
+            return min(self.max_new_tokens, self.values[min(len(self.values) - 1, bisect.bisect_right(cum, u * cum[-1]))])
+        return max(1, min(self.max_new_tokens, int(math.exp(math.log(self.median) + self.sigma * z))))
 
     def sampler(self, rng: random.Random) -> Callable[[], int]:
         if self.values:
@@ -88,6 +100,10 @@ class Workload:
     partial_rollout: str = "abort_resume"  # abort_resume | in_place | restart
     workers: int = 4
     max_concurrency: int = 1 << 30  # groups generating at once per worker
+    prompts: int = 0  # distinct prompts, visited epoch after epoch (shuffled); 0 = every group a new prompt
+    schedule: str = "fifo"  # rollout.schedule (streamrl/core/lengths.py): fifo | longest_first | tail_batching
+    schedule_window: int = 0  # prompts per ordered chunk, all workers together; 0 = 4 x groups_per_step
+    tail_fraction: float = 0.25
     token_block: int = 16
     warmup_steps: int = 0  # steps left out of the steady-state throughput
     seed: int = 0
@@ -155,6 +171,8 @@ class Request:
     group: Group
     index: int
     target_blocks: int  # response length this sample will reach (blocks)
+    start_s: float = 0.0  # when the sample was first sent
+    end_s: float = 0.0  # when it finished (its last call)
     engine: Engine | None = None
     join_g: float = 0.0
     finish_g: float = 0.0
@@ -275,6 +293,9 @@ class Group:
     pending: int = 0
     status: str = "generating"
     done_signal: Signal | None = None
+    prompt: int = -1  # the prompt's index in the dataset (-1: a fresh prompt)
+    score: float = 0.0  # the prompt's length score (Lengths.at)
+    step: int = -1  # the step that trained on it
 
     @property
     def min_version(self) -> int | None:
@@ -304,6 +325,12 @@ class Run:
         self.staleness: list[int] = []
         self.wasted_blocks = self.interruptions = self.masked_blocks = 0
         self.train_s = 0.0
+        # prompts: a dataset of w.prompts length scores, drawn in chunks ordered by w.schedule
+        self.scores = [self.rng.gauss(0.0, 1.0) for _ in range(w.prompts)]
+        self.history = lengths.LengthHistory()
+        self.chunks: list[deque[int]] = [deque() for _ in range(w.workers)]
+        self.drawn = 0  # prompt instances drawn so far, all epochs
+        self.epoch_order: list[int] = []
 
     # ---- rollout workers (streamrl/runtime/rollout.py)
     def _capacity(self, i: int) -> int:
@@ -322,19 +349,44 @@ class Run:
     def _start_group(self, worker: int, signal: Signal | None = None) -> Group:
         g = Group(gid=f"w{worker}-{len(self.groups):08d}", seq=len(self.groups), worker=worker,
                   admitted_version=self.version, done_signal=signal)
+        if self.w.prompts:
+            g.prompt = self._next_prompt(worker)
+            g.score = self.scores[g.prompt]
+        elif self.w.lengths.within < 1.0:
+            g.score = self.rng.gauss(0.0, 1.0)
         self.groups.append(g)
         self.started[worker] += 1
         self.inflight[worker] += 1
         for k in range(self.w.n_samples):
             t = partial.Trajectory(prompt=self.prompt, max_new_tokens=self.max_blocks)
-            g.requests.append(Request(t, g, k, self._new_target()))
+            g.requests.append(Request(t, g, k, self._new_target(g), start_s=self.sim.now))
         g.pending = self.w.n_samples
         for r in g.requests:
             self._route(r)
         return g
 
-    def _new_target(self) -> int:
-        return math.ceil(self.length() / self.w.token_block)
+    def _next_prompt(self, worker: int) -> int:
+        """The worker's next prompt: chunks of the dataset's epochs, ordered by the schedule from the
+        lengths seen so far (one history for all workers: the runtime reads the pool's each epoch)."""
+        chunk = self.chunks[worker]
+        if not chunk:
+            drawn = []
+            for _ in range(math.ceil((self.w.schedule_window or 4 * self.w.groups_per_step) / self.w.workers)):
+                if self.drawn % self.w.prompts == 0:
+                    self.epoch_order = list(range(self.w.prompts))
+                    random.Random(self.w.seed + self.drawn).shuffle(self.epoch_order)
+                drawn.append(self.epoch_order[self.drawn % self.w.prompts])
+                self.drawn += 1
+            chunk.extend(lengths.order(drawn, [self.history.predict(str(p)) for p in drawn], self.w.schedule,
+                                       self.w.tail_fraction))
+        return chunk.popleft()
+
+    def _new_target(self, g: Group) -> int:
+        if g.prompt < 0 and self.w.lengths.within >= 1.0:
+            return math.ceil(self.length() / self.w.token_block)
+        w = self.w.lengths.within
+        z = math.sqrt(1.0 - w) * g.score + math.sqrt(w) * self.rng.gauss(0.0, 1.0)
+        return math.ceil(self.w.lengths.at(z) / self.w.token_block)
 
     def _route(self, r: Request) -> None:
         a, b = self.rng.sample(self.engines, 2) if len(self.engines) > 1 else (self.engines[0],) * 2
@@ -353,12 +405,15 @@ class Run:
         partial.absorb(t, [0] * produced, [0.0] * produced, segment_spans(r, produced), finish, self.w.partial_rollout)
         if not t.done:
             if self.w.partial_rollout == "restart":
-                r.target_blocks = self._new_target()  # a new sample
+                r.target_blocks = self._new_target(r.group)  # a new sample
             self._route(r)
             return
         g = r.group
         g.pending -= 1
+        r.end_s = self.sim.now
         if g.pending == 0:
+            if g.prompt >= 0:
+                self.history.observe(str(g.prompt), [len(q.traj.tokens) * self.w.token_block for q in g.requests])
             g.status = "complete"
             self.inflight[g.worker] -= 1
             self.complete[g.seq] = g
@@ -406,7 +461,7 @@ class Run:
         out = []
         for gid in take:
             g = by_id[gid]
-            g.status = "consumed"
+            g.status, g.step = "consumed", step
             del self.complete[g.seq]
             if gid in mask:
                 self.masked_blocks += sum(int((staleness.stale_token_mask(r.traj.spans, step, self.w.max_staleness) == 0)
@@ -495,6 +550,17 @@ def ledger_of(groups: Iterable[Group]) -> dict[str, int]:
                                          "lost", "duplicated", "unadmitted")}
 
 
+def tail_share_of(groups: Iterable[Group]) -> float | None:
+    """Seer's tail share over the steps: each step's batch is the requests of the groups it trained on."""
+    by_step: dict[int, tuple[list[float], list[float]]] = {}
+    for g in groups:
+        if g.status == "consumed":
+            starts, ends = by_step.setdefault(g.step, ([], []))
+            starts.extend(r.start_s for r in g.requests)
+            ends.extend(r.end_s for r in g.requests)
+    return lengths.tail_share(list(by_step.values()))
+
+
 def peak_tokens_per_s(c: Cluster) -> float:
     """One engine's output tokens/s with `max_running` requests decoding."""
     return c.max_running / (c.decode_base_s + c.decode_per_seq_s * c.max_running)
@@ -531,6 +597,7 @@ def simulate(c: Cluster, w: Workload) -> dict[str, Any]:
         "learner_wait_s_per_step": float(np.mean([m["wait_s"] for m in cl.steps])),
         "staleness_mean": float(st.mean()), "staleness_max": int(st.max()),
         "interrupted_calls": cl.interruptions,
+        "tail_share": tail_share_of(cl.groups),
         "wasted_token_fraction": cl.wasted_blocks / max(1, cl.wasted_blocks + sum(
             len(r.traj.tokens) for g in cl.groups for r in g.requests if g.status == "consumed")),
         "masked_tokens": cl.masked_blocks * w.token_block,

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/simulate_cluster.py [--quick] [--gpus 8,64,512] [--out-dir DIR]
     .venv/bin/python benchmarks/simulate_cluster.py --sweep          # + which parameters drive the speedup
     .venv/bin/python benchmarks/simulate_cluster.py --calibrate MEASURED.json  # vs stream_vs_lockstep.py
+    .venv/bin/python benchmarks/simulate_cluster.py --gpus 64,512 --within 0.3 --schedules fifo,longest_first
 
 A discrete-event simulation in virtual time (benchmarks/clustersim.py) that runs StreamRL's own
 admission control, claim/consumption policy, partial-rollout transitions and ledger against
@@ -19,6 +20,11 @@ modelled engines, learner and weight broadcast. Defaults model a 7B dense model 
               p99 ~8k); --lengths FILE takes an empirical histogram instead
   consumption policy `drop`, 4 rollout workers, lengths counted in 16-token blocks
 
+Length-aware scheduling (`--schedules`): each mode again with `rollout.schedule` longest_first or
+tail_batching (MODE+SCHEDULE); prompts then come back epoch after epoch (4 steps an epoch) and
+each prompt has its own length scale (`--within`: the share of the length variance left within
+one prompt's samples), which the pool's history learns from the epochs before.
+
 Modes: lockstep, one_step_off, stream at max_staleness (eta) 1, 2, 4, 8 with partial rollout
 (`abort_resume`: interrupted responses continue on the new weights) and without (`restart`: they
 are generated again), and `lockstep_colocated`: lockstep on all engine + learner GPUs, each
@@ -33,6 +39,8 @@ Figures per mode and cluster size (JSON on stdout and in --out-dir, plus a PNG):
   response_tokens_mean mean length of the responses trained on (restart biases it down)
   engine_utilisation   output tokens per engine-second / the engine's peak (256 running requests)
   engine_busy          fraction of engine time decoding or prefilling (not idle, not paused)
+  tail_share           per step, the fraction of its batch's rollout time during which only the last
+                       10% of its requests still ran (Seer's measure; streamrl/core/lengths.py)
   learner_utilisation  fraction of wall time the learner trains
   staleness_mean/max   learner version - oldest token version of each consumed group
   wasted_token_fraction tokens generated but never trained on (restarted or dropped as stale)
@@ -96,13 +104,14 @@ def cluster_for(gpus: int, overrides: dict[str, Any]) -> Cluster:
     return dataclasses.replace(Cluster(engines=gpus, learner_gpus=max(1, gpus // 2)), **overrides)
 
 
-def run_size(gpus: int, base: Workload, cover: dict[str, Any], only: set[str] | None) -> dict[str, Any]:
+def run_size(gpus: int, base: Workload, cover: dict[str, Any], only: set[str] | None,
+             schedules: tuple[str, ...] = ()) -> dict[str, Any]:
     res: dict[str, Any] = {}
-    for label, change in scenarios():
-        if only and label not in only and label != "lockstep":
-            continue
+    cases = [(label, change) for label, change in scenarios() if not only or label in only or label == "lockstep"]
+    cases += [(f"{label}+{s}", {**change, "schedule": s}) for label, change in cases for s in schedules if s != "fifo"]
+    for label, change in cases:
         c = cluster_for(gpus, cover)
-        if label == "lockstep_colocated":
+        if label.startswith("lockstep_colocated"):
             c = colocated(c)
         t0 = time.perf_counter()
         r = simulate(c, dataclasses.replace(base, **change))
@@ -116,7 +125,8 @@ def run_size(gpus: int, base: Workload, cover: dict[str, Any], only: set[str] | 
         print(f"  {gpus:4d} GPUs {label:26s} {r['samples_per_s']:9.1f} samples/s  x{r['speedup']:.2f} "
               f"(tokens x{r['speedup_tokens']:.2f})  "
               f"engines {r['engine_utilisation']:.2f}  learner {r['learner_utilisation']:.2f}  "
-              f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']}  ({r['sim_s']:.1f}s)",
+              f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']}  busy {r['engine_busy']:.2f}  "
+              f"tail {r['tail_share']:.2f}  ({r['sim_s']:.1f}s)",
               file=sys.stderr, flush=True)
     return res
 
@@ -216,15 +226,19 @@ def main_simulate(a: argparse.Namespace) -> None:
     cover, wover = parse_overrides(a.overrides)
     lengths = read_lengths(a.lengths, a.max_new_tokens) if a.lengths else \
         Lengths(a.max_new_tokens, median=a.median, sigma=a.sigma)
+    lengths = dataclasses.replace(lengths, within=a.within)
     steps = a.steps or (10 if a.quick else 24)
     base = Workload(steps=steps, groups_per_step=128 if a.quick else 512, lengths=lengths,
                     warmup_steps=max(1, steps // 4))
     base = dataclasses.replace(base, **wover)
+    schedules = tuple(x for x in (a.schedules or "").split(",") if x)
+    if schedules and not base.prompts:  # a dataset small enough to come back: 4 steps an epoch
+        base = dataclasses.replace(base, prompts=4 * base.groups_per_step)
     only = set(a.modes.split(",")) if a.modes else None
     t0 = time.perf_counter()
     sizes = {}
     for g in [int(x) for x in a.gpus.split(",")]:
-        sizes[str(g)] = run_size(g, base, cover, only)
+        sizes[str(g)] = run_size(g, base, cover, only, schedules)
     out: dict[str, Any] = {"benchmark": "simulate_cluster", "git": git_rev(), "quick": a.quick,
                            "cluster": dataclasses.asdict(Cluster(**cover)),
                            "workload": {**dataclasses.asdict(base), "mode": "(per scenario)"},
@@ -347,6 +361,12 @@ def main() -> None:
     ap.add_argument("--median", type=float, default=1000.0, help="lognormal median response length")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (tail weight)")
     ap.add_argument("--max-new-tokens", type=int, default=8192)
+    ap.add_argument("--within", type=float, default=1.0,
+                    help="share of the length variance within one prompt's samples (1: prompts alike; 0.3: a "
+                         "prompt's own scale explains 70%%)")
+    ap.add_argument("--schedules", help="also run every mode with these rollout.schedule values (e.g. "
+                                        "fifo,longest_first,tail_batching), labelled MODE+SCHEDULE; the dataset "
+                                        "is then 4 steps of prompts (prompts=N overrides) seen epoch after epoch")
     ap.add_argument("--sweep", action="store_true", help="also vary one parameter at a time at 64 GPUs")
     ap.add_argument("--out-dir", default="runs/simulate_cluster", help="JSON and PNG go here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",

@@ -101,3 +101,18 @@ def load_decoder(path: str | None) -> Any:
         return None
     return Tokenizer.from_file(str(p))
 
+
+
+def group_lengths(pool: LancePool) -> list[tuple[str, list[int]]]:
+    """(prompt id, response lengths of its samples that did not fail) for every finished group
+    (complete, consumed or dropped), in the order they were stored: what length prediction
+    (streamrl/core/lengths.py) learns from."""
+    t = pool.scan(["group_id", "prompt_id", "num_tokens", "failed", "created_ns"],
+                  where="status IN ('complete', 'consumed', 'dropped')")
+    groups: dict[str, tuple[int, str, list[int]]] = {}
+    for gid, pid, n, failed, at in zip(*(t[c].to_pylist() for c in ("group_id", "prompt_id", "num_tokens",
+                                                                      "failed", "created_ns"))):
+        _, _, lens = groups.setdefault(gid, (at or 0, pid, []))
+        if not failed:
+            lens.append(int(n))
+    return [(pid, lens) for _, pid, lens in sorted(groups.values(), key=lambda g: g[0])]

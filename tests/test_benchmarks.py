@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import background_eval, off_policy, time_to_accuracy
+from benchmarks import background_eval, length_schedule, off_policy, time_to_accuracy
 from streamrl.connectors.megatron.model_kit import init_model_dir
 from streamrl.plugins.tasks import write_task
 from streamrl.runtime.runlog import read_jsonl
@@ -223,11 +223,12 @@ SMOKES: dict[str, Smoke] = {
 }
 # A whole `streamrl run` costs 20-45 s on this 2-core machine (stream_vs_lockstep's form above runs one);
 # these three would add one or two more (off_policy's loop over corrections is stream_vs_lockstep's;
-# background_eval starts `streamrl run` subprocesses; time_to_accuracy's runs are stream_vs_lockstep's
-# with background evaluations): over the ~150 s the suite grants all smoke runs.
+# background_eval starts `streamrl run` subprocesses; time_to_accuracy's and length_schedule's runs are
+# stream_vs_lockstep's with background evaluations or a rollout.schedule): over the ~150 s the suite grants
+# all smoke runs.
 # Their smoke forms run in this process instead: the argument parser on tiny flags and the reports
 # they build from a run directory (test_report_only_benchmarks below).
-REPORT_ONLY = ("off_policy", "background_eval", "time_to_accuracy")
+REPORT_ONLY = ("off_policy", "background_eval", "time_to_accuracy", "length_schedule")
 
 
 def benchmark_modules() -> dict[str, Path]:
@@ -279,6 +280,34 @@ def run_smoke(name: str, smoke: Smoke, argv: list[str], env: dict[str, str], tmp
 
 
 # ---------------------------------------------------------------- the two whose runs are too long
+
+
+def _length_schedule_report(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """length_schedule's report of a run: 3 steps of 2 groups (the first from epoch 0), ending at 1, 3 and
+    4 s; groups from admission (the pool's created_ns) to storage (group_appended events)."""
+    from poolkit import make_group
+    from streamrl.pools import LancePool
+
+    T0 = 1e6  # seconds since the epoch (make_group reads a created_at of 0 as now)
+    steps = [(["rollout-0:e0:p0", "rollout-0:e0:p1"], (0, 0), (1, 2)),
+             (["rollout-0:e1:p0", "rollout-0:e1:p1"], (1, 1), (2, 4)),
+             (["rollout-0:e1:p2", "rollout-0:e1:p3"], (3, 3), (3.5, 3.5))]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r, (gids, _, _), wall in zip(rows, steps, (1.0, 3.0, 4.0)):
+        r.update(groups=gids, wall_time_s=wall)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with LancePool(str(run_dir / "pool"), create=True) as pool:
+        pool.append([make_group(g, n=2, created_at=int((T0 + t0) * 1e9), prompt_id=f"q{g[-1]}")
+                     for gids, starts, _ in steps for g, t0 in zip(gids, starts)], admit=True)
+    (run_dir / "events.jsonl").write_text("".join(
+        json.dumps({"type": "group_appended", "group_ids": [g], "at": int((T0 + t1) * 1e9)}) + "\n"
+        for gids, _, ends in steps for g, t1 in zip(gids, ends)))
+    rep = length_schedule.run_report(summary, run_dir)
+    # 2 groups a step: the tail is the last one alone: (1 + 2 + 0) s of (2 + 3 + 0.5) s
+    assert rep["tail_share"] == pytest.approx(3 / 5.5)
+    assert rep["steps_after_epoch_1"] == 2 and rep["samples_per_s_after_epoch_1"] == pytest.approx(8 / 3)
+    assert rep["step_s_mean"] == pytest.approx(4 / 3) and rep["samples_per_s"] == summary["samples_per_s"]
+    return rep
 
 
 def fake_run_dir(root: Path, steps: int = 3) -> tuple[Path, dict[str, Any]]:
@@ -346,6 +375,10 @@ def test_report_only_benchmarks(name: str, tmp_path: Path) -> None:
         assert high["time_to_target_s"] == {"lockstep": None}  # 2 of 3 runs never reached 0.5
         time_to_accuracy.plot({"lockstep": [slow], "stream": [fast]}, 0.4, tmp_path / "tta.png", "smoke")
         assert (tmp_path / "tta.png").stat().st_size > 0
+    elif name == "length_schedule":
+        a = length_schedule.parse_args(["--quick", "--schedules", "fifo,tail_batching"])
+        assert a.quick and a.schedules == "fifo,tail_batching" and a.modes == "lockstep,stream"
+        rep = _length_schedule_report(run_dir, summary)
     else:
         a = background_eval.parse_args(["--steps", "2", "--configs", "none,background"])
         assert a.config_names == ["none", "background"]

@@ -148,3 +148,37 @@ def test_cli_refuses_an_unknown_override():
     out = subprocess.run([sys.executable, SCRIPT, "gpus_per_node=8"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "override 'gpus_per_node=8'" in out.stderr
+
+
+def test_lengths_at_is_the_quantile_of_the_normal_score():
+    assert Lengths(10_000, median=100, sigma=1.0).at(0.0) == 100
+    assert Lengths(10_000, median=100, sigma=1.0).at(1.0) == 271  # int(100 e)
+    assert Lengths(150, median=100, sigma=1.0).at(3.0) == 150  # capped
+    hist = Lengths(1000, values=[10, 20, 30], counts=[1, 2, 1])
+    assert (hist.at(-3.0), hist.at(0.0), hist.at(3.0)) == (10, 20, 30)
+
+
+PER_PROMPT = Lengths(2048, median=100, sigma=1.2, within=0.2)  # a prompt's own scale explains 80%
+
+
+@pytest.mark.parametrize("mode", ["lockstep", "one_step_off", "stream"])
+@pytest.mark.parametrize("schedule", ["fifo", "longest_first", "tail_batching"])
+def test_every_schedule_keeps_the_bound_and_the_ledger(mode, schedule):
+    w = _work(mode=mode, steps=16, groups_per_step=4, lengths=PER_PROMPT, max_staleness=2, workers=2, token_block=4,
+              prompts=16, schedule=schedule)
+    r = simulate(_cluster(engines=2, max_running=8), w)
+    bound = {"lockstep": 0, "one_step_off": 1, "stream": 2}[mode]
+    assert r["staleness_max"] <= bound
+    led = r["ledger"]
+    assert led["consumed"] == 16 * 4 and led["lost"] == 0 and led["duplicated"] == 0 and led["unadmitted"] == 0, led
+    assert 0.0 <= r["tail_share"] <= 1.0
+
+
+def test_longest_first_groups_long_prompts_into_the_same_lockstep_steps():
+    """From the second epoch on, history orders each chunk: lockstep steps of like lengths wait for
+    shorter tails than steps that each hold one long prompt (virtual time: deterministic)."""
+    w = _work(steps=24, groups_per_step=8, lengths=PER_PROMPT, workers=2, token_block=4, prompts=32, n_samples=4)
+    c = _cluster(engines=2, max_running=64)
+    fifo, longest = simulate(c, w), simulate(c, dataclasses.replace(w, schedule="longest_first"))
+    assert longest["samples_per_s"] > 1.1 * fifo["samples_per_s"], (fifo["samples_per_s"], longest["samples_per_s"])
+    assert longest["tail_share"] < fifo["tail_share"]

@@ -157,6 +157,12 @@ class RolloutCfg(_Cfg):
     top_p: Prob = 1.0
     top_k: int = -1  # -1 = off
     max_concurrency: PosInt = 64  # groups generating at once per worker
+    # the order prompts start in, chunk by chunk (streamrl/core/lengths.py): fifo (as drawn), longest_first
+    # (longest predicted first: from the pool's history of the same prompt) or tail_batching (the chunk's
+    # predicted-long prompts last, together); prompts never seen keep their drawn order
+    schedule: Literal["fifo", "longest_first", "tail_batching"] = "fifo"
+    schedule_window: NonNegInt = 0  # prompts per ordered chunk, all workers together; 0 = 4 x groups_per_step
+    tail_fraction: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.25  # tail_batching: the chunk's longest share
     # claim this many x groups_per_step, train on the groups_per_step with the largest reward std
     # (slime's over-sampling filter); the rest are dropped
     over_sampling: Annotated[float, msgspec.Meta(ge=1)] = 1.0

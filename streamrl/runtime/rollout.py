@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,11 @@ from streamrl.connectors.sglang import api
 from streamrl.connectors.auth import Keys
 from streamrl.connectors.sglang.client import ENGINE_FAILURES, SGLangClient, retryable
 from streamrl.core import lora as lora_names
-from streamrl.core import credit, partial, routing, staleness
+from streamrl.core import credit, lengths, partial, routing, staleness
 from streamrl.core.types import Admission, GroupAppended, SampleGroup, make_group_id
 from streamrl.plugins.data import PromptRecord, PromptSource
 from streamrl.pools import open_pool
+from streamrl.pools.queries import group_lengths
 from streamrl.plugins.filters import FilterHub
 from streamrl.plugins.slime import reward_hub, slime_args
 from streamrl.producers import episode as agent
@@ -83,6 +84,11 @@ class RolloutWorker:
             self.source.restore(data_state)
         self._admitted_state = self.source.state()  # where the source stood after the last admission
         self._known: set[str] = set()  # groups admitted before a resume: their prompts are not drawn again
+        # prompts drawn but not admitted yet, in the order rollout.schedule starts them, each with the source's
+        # state before it was drawn (so a resume draws again from the oldest one not admitted)
+        self._chunk: deque[tuple[dict[str, int], PromptRecord]] = deque()
+        self.lengths = lengths.LengthHistory()  # response lengths per prompt: what the schedule predicts from
+        self._history_epoch = -1  # the data epoch the history was last read from the pool for
         self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path)
         self.pool = open_pool(recipe.pool_uri, create=True, config=recipe.pool, compact_every=0,
                               write_ahead=recipe.pool.write_ahead)
@@ -234,12 +240,42 @@ class RolloutWorker:
     # ------------------------------------------------------------ groups
 
     def _next_record(self) -> PromptRecord | None:
-        while (rec := self.source.next()) is not None:
-            if rec.index % self.num_workers == self.index and \
-                    make_group_id(self.producer_id, rec.epoch, rec.index) not in self._known:
-                return rec
+        if not self._chunk:
+            self._draw_chunk()
+        if self._chunk:
+            return self._chunk.popleft()[1]
         self.exhausted = True
         return None
+
+    def _draw_chunk(self) -> None:
+        """Draw the next chunk of this worker's prompts and order it by `rollout.schedule`."""
+        ro, drawn = self.r.rollout, []
+        window = -(-(ro.schedule_window or 4 * self.per_step) // self.num_workers)  # this worker's share
+        while len(drawn) < window:
+            before = self.source.state()
+            if (rec := self.source.next()) is None:
+                break
+            if rec.index % self.num_workers == self.index and \
+                    make_group_id(self.producer_id, rec.epoch, rec.index) not in self._known:
+                drawn.append((before, rec))
+        if ro.schedule != "fifo" and drawn and drawn[0][1].epoch > self._history_epoch:
+            self._read_history(drawn[0][1].epoch)
+        predicted = [self.lengths.predict(rec.prompt_id) for _, rec in drawn]
+        self._chunk.extend(lengths.order(drawn, predicted, ro.schedule, ro.tail_fraction))
+
+    def _read_history(self, epoch: int) -> None:
+        """Every producer's finished groups, oldest first: a prompt goes to another worker in each epoch
+        (and a resumed run has the groups of before the stop), so once per epoch the pool is read whole."""
+        self.lengths = lengths.LengthHistory()
+        for prompt_id, lens in group_lengths(self.pool):
+            self.lengths.observe(prompt_id, lens)
+        self._history_epoch = epoch
+
+    def _resume_state(self) -> dict[str, int]:
+        """Where a resumed run draws from: before the oldest prompt drawn and not admitted (prompts
+        admitted out of order after it are known by then and skipped)."""
+        waiting = [before for before, _ in self._chunk]
+        return min(waiting, key=lambda st: (st["epoch"], st["position"])) if waiting else self.source.state()
 
     async def _start(self, count: int) -> int:
         """Start up to `count` groups, admitted in one commit (a commit costs 5-20 ms: admitting
@@ -254,7 +290,7 @@ class RolloutWorker:
         await self.pool.admit_async([Admission(group_id=gid, prompt_id=rec.prompt_id, n=n, producer_id=self.producer_id,
                                                version=self.version, admitted_at=t + k)
                                      for k, (gid, rec) in enumerate(zip(gids, recs))])
-        self._admitted_state = self.source.state()
+        self._admitted_state = self._resume_state()
         for k, (gid, rec) in enumerate(zip(gids, recs)):
             self._launch_new(gid, rec, t + k)
         return len(recs)
@@ -342,6 +378,7 @@ class RolloutWorker:
 
     async def _store(self, group: SampleGroup) -> None:
         await self.pool.append_async([group])
+        self.lengths.observe(group.prompt_id, [len(s.response_tokens) for s in group.samples if not s.failed])
         self.log.event(GroupAppended(group_ids=[group.group_id], status=group.status, producer_id=self.producer_id,
                                      at=now_ns()))
         if group.status == "complete":
