@@ -14,7 +14,8 @@ full `streamrl run` (stream_vs_lockstep.py's setup: one engine on core 0, the le
 Per run: samples/s over the whole RL phase and over the steps after the first epoch (where the
 schedule can act), mean step time, the tail share (per step, the fraction of its groups' rollout
 time during which only its last group was still generating: a group's samples are one batched
-call, so the client sees groups, not samples; with 10 or more groups a step, its last 10%),
+call, so the client sees groups, not samples; with 10 or more groups a step, its last 10%) and
+`tail_share_tokens` (the same in decode iterations, from the responses' lengths: see tail_shares),
 interrupted calls, staleness mean/max, held-out accuracy before and after. `rank_corr`:
 Spearman's rho of each predictor against the real lengths (streamrl/core/lengths.py rank_quality)
 over the fifo lockstep run's pool: `history` on the groups whose prompt was seen before.
@@ -59,17 +60,26 @@ def epoch_of(group_id: str) -> int:
     return int(group_id.rsplit(":", 2)[1][1:])  # rollout-0:e1:p17
 
 
-def tail_share(run_dir: Path, metrics: list[dict[str, Any]]) -> float | None:
-    """Per step, its groups from admission to storage (pool created_ns, the group_appended event)."""
+def tail_shares(run_dir: Path, metrics: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(groups, tokens). groups: per step, its groups from admission to storage (pool created_ns, the
+    group_appended event), in wall-clock time. tokens: per step, (longest response - the 90th percentile's)
+    / longest: the share of the step's decode iterations in which only its last 10% of responses still ran,
+    for a batch whose responses all start together (lockstep; iterations, not seconds: an iteration of
+    few responses is cheaper)."""
     with LancePool(str(run_dir / "pool")) as pool:
-        t = pool.scan(["group_id", "created_ns"], where="sample_index = 0")
-    start = dict(zip(t["group_id"].to_pylist(), t["created_ns"].to_pylist()))
+        t = pool.scan(["group_id", "created_ns", "num_tokens", "sample_index"])
+    start = {g: c for g, c, i in zip(*(t[k].to_pylist() for k in ("group_id", "created_ns", "sample_index"))) if i == 0}
+    lens: dict[str, list[int]] = {}
+    for g, n in zip(t["group_id"].to_pylist(), t["num_tokens"].to_pylist()):
+        lens.setdefault(g, []).append(n)
+    by_step = [sorted(n for g in m["groups"] for n in lens.get(g, [])) for m in metrics if m.get("groups")]
+    tokens = [(x[-1] - x[max(0, math.ceil(0.9 * len(x)) - 1)]) / x[-1] for x in by_step if x and x[-1] > 0]
     end = {g: e["at"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("type") == "group_appended"
            for g in e["group_ids"]}
     batches = [([start[g] / 1e9 for g in m["groups"]], [end[g] / 1e9 for g in m["groups"]]) for m in metrics
                if m.get("groups") and all(g in start and g in end for g in m["groups"])]
     last = max(0.1, 1 / max(1, min((len(s) for s, _ in batches), default=1)))
-    return lengths.tail_share(batches, last=last)
+    return lengths.tail_share(batches, last=last), (statistics.fmean(tokens) if tokens else None)
 
 
 def run_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -79,8 +89,8 @@ def run_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     rep.update({
         "samples_per_s_after_epoch_1": (sum(x["samples"] for x, _ in later) / sum(s for _, s in later)) if later else None,
         "steps_after_epoch_1": len(later),
-        "step_s_mean": statistics.fmean(secs) if secs else None,
-        "tail_share": tail_share(run_dir, m)})
+        "step_s_mean": statistics.fmean(secs) if secs else None})
+    rep["tail_share"], rep["tail_share_tokens"] = tail_shares(run_dir, m)
     return rep
 
 
@@ -137,6 +147,7 @@ def main() -> None:
         "samples_per_s": {k: v["samples_per_s"] for k, v in runs.items()},
         "samples_per_s_after_epoch_1": {k: v["samples_per_s_after_epoch_1"] for k, v in runs.items()},
         "tail_share": {k: v["tail_share"] for k, v in runs.items()},
+        "tail_share_tokens": {k: v["tail_share_tokens"] for k, v in runs.items()},
         "rank_corr": {k: quality[k] for k in ("history", "siblings", "fallback")},
         "rank_corr_groups": {k: quality[f"n_{k}"] for k in ("history", "siblings", "fallback")},
         "rank_corr_from": first, "runs": runs, "work_dir": str(work)}

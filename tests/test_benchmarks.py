@@ -297,14 +297,16 @@ def _length_schedule_report(run_dir: Path, summary: dict[str, Any]) -> dict[str,
         r.update(groups=gids, wall_time_s=wall)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with LancePool(str(run_dir / "pool"), create=True) as pool:
-        pool.append([make_group(g, n=2, created_at=int((T0 + t0) * 1e9), prompt_id=f"q{g[-1]}")
-                     for gids, starts, _ in steps for g, t0 in zip(gids, starts)], admit=True)
+        pool.append([make_group(g, n=5, num_tokens=10 * (k + 1), created_at=int((T0 + t0) * 1e9), prompt_id=f"q{g[-1]}")
+                     for gids, starts, _ in steps for k, (g, t0) in enumerate(zip(gids, starts))], admit=True)
     (run_dir / "events.jsonl").write_text("".join(
         json.dumps({"type": "group_appended", "group_ids": [g], "at": int((T0 + t1) * 1e9)}) + "\n"
         for gids, _, ends in steps for g, t1 in zip(gids, ends)))
     rep = length_schedule.run_report(summary, run_dir)
     # 2 groups a step: the tail is the last one alone: (1 + 2 + 0) s of (2 + 3 + 0.5) s
     assert rep["tail_share"] == pytest.approx(3 / 5.5)
+    # each step's responses: 10-14 and 20-24 tokens; the 90th percentile is 23 of 24
+    assert rep["tail_share_tokens"] == pytest.approx(1 / 24)
     assert rep["steps_after_epoch_1"] == 2 and rep["samples_per_s_after_epoch_1"] == pytest.approx(8 / 3)
     assert rep["step_s_mean"] == pytest.approx(4 / 3) and rep["samples_per_s"] == summary["samples_per_s"]
     return rep
