@@ -46,7 +46,7 @@ from streamrl.runtime.run import run_async  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
 from benchmarks._common import emit, git_rev, machine  # noqa: E402
-from benchmarks.stream_vs_lockstep import mode_report, shared_start  # noqa: E402
+from benchmarks.stream_vs_lockstep import mode_recipe, mode_report, shared_start  # noqa: E402
 
 
 def step_times(run_dir: Path) -> tuple[list[dict[str, Any]], list[float]]:
@@ -123,16 +123,10 @@ def main() -> None:
     for mode in a.modes.split(","):
         for schedule in a.schedules.split(","):
             label = f"{mode}_{schedule}"
-            r = msgspec.structs.replace(
-                base, sft=None,
-                model=msgspec.structs.replace(base.model, path=str(model), init=None),
-                data=msgspec.structs.replace(base.data, path=str(files["train"]), eval_path=str(files["eval"]),
-                                             epochs=epochs, generate=None),
-                rollout=msgspec.structs.replace(base.rollout, schedule=schedule),
-                run=msgspec.structs.replace(base.run, mode=mode, steps=steps, checkpoint_every=0, eval_every=0,
-                                            dir=str(work / label)),
-                engines=msgspec.structs.replace(base.engines, num=1, cpus=[0] if pin else []),
-                learner=msgspec.structs.replace(base.learner, cpus=[1] if pin else []))
+            r = mode_recipe(base, model, work / label, mode, steps, 1, pin,
+                            data=msgspec.structs.replace(base.data, path=str(files["train"]),
+                                                         eval_path=str(files["eval"]), epochs=epochs, generate=None),
+                            rollout=msgspec.structs.replace(base.rollout, schedule=schedule))
             print(f"[{label}] {steps} steps ...", file=sys.stderr, flush=True)
             summary = asyncio.run(run_async(r, work / label, progress=False))
             runs[label] = run_report(summary, work / label)

@@ -71,6 +71,20 @@ def shared_start(recipe: Any, prefix: str, sft_model: str | None = None) -> tupl
     return work, model, time.perf_counter() - t0
 
 
+def mode_recipe(base: Any, model: Path, run_dir: Path, mode: str, steps: int, engines: int, pin: bool,
+                **parts: Any) -> Any:
+    """`base` as one benchmark run takes it: from `model` (no SFT), `mode` for `steps` steps into `run_dir`,
+    no checkpoints or periodic evaluations, `engines` engines, pinned (engine core 0, learner core 1) when
+    `pin`; `parts` replace whole recipe sections (e.g. staleness=...)."""
+    return msgspec.structs.replace(
+        base, sft=None,
+        model=msgspec.structs.replace(base.model, path=str(model), init=None),
+        run=msgspec.structs.replace(base.run, mode=mode, steps=steps, checkpoint_every=0, eval_every=0,
+                                    dir=str(run_dir)),
+        engines=msgspec.structs.replace(base.engines, num=engines, cpus=[0] if pin else []),
+        learner=msgspec.structs.replace(base.learner, cpus=[1] if pin else []), **parts)
+
+
 def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     m = read_jsonl(run_dir / "metrics.jsonl")
 
@@ -129,14 +143,8 @@ def main() -> None:
     runs = [(m, m, base.staleness.partial_rollout) for m in a.modes.split(",")]
     runs += [(f"stream_{p}", "stream", p) for p in a.policies.split(",") if p]
     for label, mode, policy in runs:
-        r = msgspec.structs.replace(
-            base, sft=None,
-            model=msgspec.structs.replace(base.model, path=str(model), init=None),
-            run=msgspec.structs.replace(base.run, mode=mode, steps=steps, checkpoint_every=0, eval_every=0,
-                                        dir=str(work / label)),
-            staleness=msgspec.structs.replace(base.staleness, partial_rollout=policy),
-            engines=msgspec.structs.replace(base.engines, num=a.engines, cpus=[0] if pin else []),
-            learner=msgspec.structs.replace(base.learner, cpus=[1] if pin else []))
+        r = mode_recipe(base, model, work / label, mode, steps, a.engines, pin,
+                        staleness=msgspec.structs.replace(base.staleness, partial_rollout=policy))
         print(f"[{label}] {steps} steps ...", file=sys.stderr, flush=True)
         summary = asyncio.run(run_async(r, work / label, progress=False))
         modes[label] = mode_report(summary, work / label)
