@@ -24,7 +24,6 @@ over the fifo lockstep run's pool: `history` on the groups whose prompt was seen
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import statistics
@@ -42,11 +41,10 @@ from streamrl.plugins.tasks import write_longtail_task  # noqa: E402
 from streamrl.pools.lance_pool import LancePool  # noqa: E402
 from streamrl.pools.queries import group_lengths  # noqa: E402
 from streamrl.recipe import load_recipe  # noqa: E402
-from streamrl.runtime.run import run_async  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
 from benchmarks._common import emit, git_rev, machine  # noqa: E402
-from benchmarks.stream_vs_lockstep import mode_recipe, mode_report, shared_start  # noqa: E402
+from benchmarks.stream_vs_lockstep import mode_recipe, mode_report, run_mode, shared_start  # noqa: E402
 
 
 def step_times(run_dir: Path) -> tuple[list[dict[str, Any]], list[float]]:
@@ -127,9 +125,7 @@ def main() -> None:
                             data=msgspec.structs.replace(base.data, path=str(files["train"]),
                                                          eval_path=str(files["eval"]), epochs=epochs, generate=None),
                             rollout=msgspec.structs.replace(base.rollout, schedule=schedule))
-            print(f"[{label}] {steps} steps ...", file=sys.stderr, flush=True)
-            summary = asyncio.run(run_async(r, work / label, progress=False))
-            runs[label] = run_report(summary, work / label)
+            runs[label] = run_report(run_mode(r, work / label, label), work / label)
             print(f"[{label}] {runs[label]['rl_wall_s']:.1f}s, {runs[label]['samples_per_s']:.1f} samples/s, tail share "
                   f"{runs[label]['tail_share']}", file=sys.stderr, flush=True)
     first = next(iter(runs))

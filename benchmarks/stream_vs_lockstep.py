@@ -85,6 +85,12 @@ def mode_recipe(base: Any, model: Path, run_dir: Path, mode: str, steps: int, en
         learner=msgspec.structs.replace(base.learner, cpus=[1] if pin else []), **parts)
 
 
+def run_mode(recipe: Any, run_dir: Path, label: str) -> dict[str, Any]:
+    """One benchmark run of `recipe` into `run_dir`, announced on stderr as `label`: run_async's summary."""
+    print(f"[{label}] {recipe.run.steps} steps ...", file=sys.stderr, flush=True)
+    return asyncio.run(run_async(recipe, run_dir, progress=False))
+
+
 def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     m = read_jsonl(run_dir / "metrics.jsonl")
 
@@ -145,9 +151,7 @@ def main() -> None:
     for label, mode, policy in runs:
         r = mode_recipe(base, model, work / label, mode, steps, a.engines, pin,
                         staleness=msgspec.structs.replace(base.staleness, partial_rollout=policy))
-        print(f"[{label}] {steps} steps ...", file=sys.stderr, flush=True)
-        summary = asyncio.run(run_async(r, work / label, progress=False))
-        modes[label] = mode_report(summary, work / label)
+        modes[label] = mode_report(run_mode(r, work / label, label), work / label)
         print(f"[{label}] {modes[label]['rl_wall_s']:.1f}s, accuracy {modes[label]['accuracy_before']:.3f} -> "
               f"{modes[label]['accuracy_after']:.3f}", file=sys.stderr, flush=True)
     out: dict[str, Any] = {"benchmark": "stream_vs_lockstep", "git": git_rev(), "recipe": a.recipe,

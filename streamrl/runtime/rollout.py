@@ -378,7 +378,8 @@ class RolloutWorker:
 
     async def _store(self, group: SampleGroup) -> None:
         await self.pool.append_async([group])
-        self.lengths.observe(group.prompt_id, [len(s.response_tokens) for s in group.samples if not s.failed])
+        if self.r.rollout.schedule != "fifo":  # fifo orders nothing: no history to keep
+            self.lengths.observe(group.prompt_id, [len(s.response_tokens) for s in group.samples if not s.failed])
         self.log.event(GroupAppended(group_ids=[group.group_id], status=group.status, producer_id=self.producer_id,
                                      at=now_ns()))
         if group.status == "complete":
