@@ -28,7 +28,10 @@ import pytest
 from benchmarks import background_eval, length_schedule, off_policy, time_to_accuracy
 from streamrl.connectors.megatron.model_kit import init_model_dir
 from streamrl.plugins.tasks import write_task
+from streamrl.pools import LancePool
 from streamrl.runtime.runlog import read_jsonl
+
+from poolkit import make_group
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -285,9 +288,6 @@ def run_smoke(name: str, smoke: Smoke, argv: list[str], env: dict[str, str], tmp
 def _length_schedule_report(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """length_schedule's report of a run: 3 steps of 2 groups (the first from epoch 0), ending at 1, 3 and
     4 s; groups from admission (the pool's created_ns) to storage (group_appended events)."""
-    from poolkit import make_group
-    from streamrl.pools import LancePool
-
     T0 = 1e6  # seconds since the epoch (make_group reads a created_at of 0 as now)
     steps = [(["rollout-0:e0:p0", "rollout-0:e0:p1"], (0, 0), (1, 2)),
              (["rollout-0:e1:p0", "rollout-0:e1:p1"], (1, 1), (2, 4)),
