@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/simulate_cluster.py --calibrate MEASURED.json  # vs stream_vs_lockstep.py
     .venv/bin/python benchmarks/simulate_cluster.py --gpus 64,512 --within 0.3 --schedules fifo,longest_first
 
-A discrete-event simulation in virtual time (benchmarks/clustersim.py) that runs StreamRL's own
+A discrete-event simulation in virtual time (streamrl/sim/cluster.py) that runs StreamRL's own
 admission control, claim/consumption policy, partial-rollout transitions and ledger against
 modelled engines, learner and weight broadcast. Defaults model a 7B dense model in bf16 on H100s:
 
@@ -46,11 +46,11 @@ Figures per mode and cluster size (JSON on stdout and in --out-dir, plus a PNG):
   wasted_token_fraction tokens generated but never trained on (restarted or dropped as stale)
   ledger               the real ledger over the simulated pool: lost and duplicated must be 0
 
-`--calibrate` models the CPU run stream_vs_lockstep.py measured (its recipe: the long-tail
-countdown task by default; one embedded engine, learner on its own core, the response lengths
-that run's lockstep pool holds), fits
-the one unknown (engine time per request outside decoding) to the measured lockstep step,
-then predicts one-step-off and stream and compares them with the measured speedups.
+`--calibrate` models the CPU runs stream_vs_lockstep.py measured (its recipe: the long-tail
+countdown task by default; one embedded engine, learner on its own core) as `streamrl plan
+--calibrate` does (streamrl/sim/fromrun.py): the lockstep run's learner, push and response
+lengths, one engine parameter fitted to its step time; then it predicts one-step-off and stream
+and compares them with the measured step times and speedups.
 """
 
 from __future__ import annotations
@@ -69,12 +69,11 @@ sys.path.insert(0, str(REPO))
 
 from matplotlib.figure import Figure  # noqa: E402
 
-from streamrl.pools.queries import pool_query  # noqa: E402
-from streamrl.pools.lance_pool import LancePool  # noqa: E402
-from streamrl.recipe import load_recipe  # noqa: E402
+from streamrl.sim.fromrun import RunReadError, read_run  # noqa: E402
+from streamrl.sim.plan import calibration  # noqa: E402
 
 from benchmarks._common import emit, git_rev, machine  # noqa: E402
-from benchmarks.clustersim import Cluster, Lengths, Workload, simulate  # noqa: E402
+from streamrl.sim.cluster import Cluster, Lengths, Workload, simulate  # noqa: E402
 
 COLOCATE_SWITCH_S = 5.0
 
@@ -258,97 +257,24 @@ def main_simulate(a: argparse.Namespace) -> None:
 # ------------------------------------------------------------------ calibration against the CPU run
 
 
-def cpu_setup(measured: dict[str, Any], c1_tok_s: float, c64_tok_s: float, max_running: int
-              ) -> tuple[Cluster, Workload, dict[str, Any]]:
-    """The recipe as stream_vs_lockstep.py ran it (long-tail by default), from what that run measured."""
-    r = load_recipe(str(REPO / measured["recipe"]), measured.get("overrides", []))
-    run_dir = Path(measured["work_dir"]) / "lockstep"
-    pool = LancePool(run_dir / "pool", create=False)
-    hist = pool_query(pool, "SELECT len(response_tokens) AS n, count(*) AS c FROM pool "
-                            "WHERE status = 'consumed' GROUP BY 1 ORDER BY 1").to_pydict()
-    prompt = pool_query(pool, "SELECT avg(len(prompt_tokens)) AS p FROM pool").to_pydict()["p"][0]
-    pool.close()
-    lock = measured["modes"]["lockstep"]
-    # Two points of the engine's decode curve (engine_throughput.py, 64-token responses).
-    t1, t64 = 1 / c1_tok_s, 64 / c64_tok_s
-    per_seq = (t64 - t1) / 63
-    c = Cluster(engines=measured.get("engines", 1), decode_base_s=t1 - per_seq, decode_per_seq_s=per_seq,
-                prefill_tokens_per_s=1e12, max_running=max_running, learner_gpus=1,
-                learner_tokens_per_s_per_gpu=1e12,
-                learner_step_overhead_s=lock["learner_wait_s"] + lock["learner_train_s"],
-                model_bytes=0.0, broadcast_latency_s=lock["push_s"])
-    w = Workload(steps=measured["steps"], groups_per_step=r.rollout.groups_per_step, n_samples=r.rollout.n_samples,
-                 prompt_tokens=max(1, round(prompt)),
-                 lengths=Lengths(r.rollout.max_new_tokens, values=hist["n"], counts=hist["c"]),
-                 max_staleness=r.staleness.max_staleness, policy=r.staleness.policy,
-                 partial_rollout=r.staleness.partial_rollout, workers=r.rollout.workers,
-                 max_concurrency=r.rollout.max_concurrency, token_block=1, warmup_steps=0)
-    return c, w, {"response_length_histogram": dict(zip(hist["n"], hist["c"])), "prompt_tokens_mean": prompt}
-
-
-def fit_lockstep(c: Cluster, w: Workload, target_step_s: float) -> tuple[Cluster, dict[str, float]]:
-    """One parameter, fitted so that simulated lockstep takes `target_step_s`: the engine's seconds
-    per request outside decoding; or, where lockstep is too slow even without any (the run's engine
-    decoded faster than the `--c1-tok-s`/`--c64-tok-s` curve, measured on another occasion), a
-    factor on the decode curve's time instead."""
-    def step_s(c2: Cluster) -> float:
-        return simulate(c2, dataclasses.replace(w, mode="lockstep"))["wall_s"] / w.steps
-
-    def bisect(make: Any, lo: float, hi: float, rising: bool) -> float:
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            if (step_s(make(mid)) < target_step_s) == rising:
-                lo = mid
-            else:
-                hi = mid
-        return (lo + hi) / 2
-
-    def overhead(x: float) -> Cluster:
-        return dataclasses.replace(c, request_overhead_s=x)
-
-    def scaled(k: float) -> Cluster:
-        return dataclasses.replace(c, decode_base_s=c.decode_base_s * k, decode_per_seq_s=c.decode_per_seq_s * k)
-
-    if step_s(c) <= target_step_s:
-        x = bisect(overhead, 0.0, 0.1, rising=True)
-        return overhead(x), {"fitted_request_overhead_s": x, "fitted_decode_scale": 1.0}
-    k = bisect(scaled, 0.05, 1.0, rising=True)
-    return scaled(k), {"fitted_request_overhead_s": 0.0, "fitted_decode_scale": k}
-
-
 def main_calibrate(a: argparse.Namespace) -> None:
+    """`streamrl plan`'s calibration on the runs stream_vs_lockstep.py left: fitted on its lockstep run."""
     measured = json.loads(Path(a.calibrate).read_text())
-    c, w, info = cpu_setup(measured, a.c1_tok_s, a.c64_tok_s, a.max_running)
-    # stream_<policy> runs (stream_vs_lockstep.py --policies) are not simulated: the modes are.
-    per_step = {m: v["rl_wall_s"] / measured["steps"] for m, v in measured["modes"].items()
-                if m in ("lockstep", "one_step_off", "stream")}
-    c, fitted = fit_lockstep(c, w, per_step["lockstep"])
-    rows, sim = [], {}
-    for mode in per_step:
-        sim[mode] = simulate(c, dataclasses.replace(w, mode=mode))
-    for mode in per_step:
-        s_step = sim[mode]["wall_s"] / w.steps
-        row = {"mode": mode, "measured_step_s": per_step[mode], "simulated_step_s": s_step}
-        if mode != "lockstep":
-            meas = per_step["lockstep"] / per_step[mode]
-            pred = (sim["lockstep"]["wall_s"] / w.steps) / s_step
-            row |= {"measured_speedup": meas, "simulated_speedup": pred, "error": pred / meas - 1}
-        # The same prediction with the learner step time this mode measured (the CPU contention
-        # of overlapping generation and training, which the model leaves out).
-        m = measured["modes"][mode]
-        c2 = dataclasses.replace(c, learner_step_overhead_s=m["learner_train_s"] + measured["modes"]["lockstep"]
-                                 ["learner_wait_s"], broadcast_latency_s=max(m["push_s"], m.get("pause_s", 0.0)))
-        row["simulated_step_s_with_measured_learner"] = simulate(c2, dataclasses.replace(w, mode=mode))["wall_s"] / w.steps
-        rows.append(row)
-        print(f"  {mode:14s} measured {per_step[mode]:.3f} s/step  simulated {s_step:.3f}"
-              + (f"  speedup {row['measured_speedup']:.2f} vs {row['simulated_speedup']:.2f} "
-                 f"({row['error']:+.0%})" if "error" in row else ""), file=sys.stderr)
-    out = {"benchmark": "simulate_cluster calibrate", "git": git_rev(), "measured": a.calibrate,
-           "measured_git": measured.get("git"), **fitted,
-           "cluster": dataclasses.asdict(c), "workload": {k: v for k, v in dataclasses.asdict(w).items()
-                                                          if k != "lengths"},
-           **info, "rows": rows, "simulated": sim}
-    emit(out, a.out)
+    work = Path(measured["work_dir"])
+    modes = [m for m in ("lockstep", "one_step_off", "stream") if m in measured["modes"]]
+    if "lockstep" not in modes:
+        raise SystemExit(f"{a.calibrate}: no lockstep run to fit on (stream_vs_lockstep.py --modes lockstep,...)")
+    try:
+        runs = [read_run(work / m) for m in modes]
+    except RunReadError as e:
+        raise SystemExit(f"{a.calibrate}: {e}") from None
+    cal = calibration(runs[0], runs[1:])
+    for r in cal["rows"]:
+        print(f"  {r['mode']:14s} measured {r['measured_step_s']:.3f} s/step  simulated {r['predicted_step_s']:.3f}"
+              + (f"  speedup {r['measured_speedup']:.2f} vs {r['predicted_speedup']:.2f} "
+                 f"({r['speedup_error']:+.0%})" if "speedup_error" in r else ""), file=sys.stderr)
+    emit({"benchmark": "simulate_cluster calibrate", "git": git_rev(), "measured": a.calibrate,
+          "measured_git": measured.get("git"), **cal}, a.out)
 
 
 def main() -> None:
@@ -373,11 +299,8 @@ def main() -> None:
                     help="Cluster/Workload fields, e.g. learner_gpus=16 groups_per_step=1024")
     cal = ap.add_argument_group("calibration against a CPU run of stream_vs_lockstep.py (long-tail recipe by default)")
     cal.add_argument("--calibrate", metavar="MEASURED.json",
-                     help="simulate the run stream_vs_lockstep.py measured (its JSON; its work_dir must still exist)")
-    cal.add_argument("--c1-tok-s", type=float, default=1055.0,
-                     help="engine output tokens/s at concurrency 1 (engine_throughput.py --quick)")
-    cal.add_argument("--c64-tok-s", type=float, default=7600.0, help="... at concurrency 64")
-    cal.add_argument("--max-running", type=int, default=64, help="the embedded engine's max_running")
+                     help="simulate the runs stream_vs_lockstep.py measured (its JSON; its work_dir must still exist), "
+                          "fitted on the lockstep run: `streamrl plan WORK/lockstep --calibrate WORK/stream ...`")
     cal.add_argument("--out", help="also write the calibration JSON here")
     a = ap.parse_args()
     if a.calibrate:

@@ -25,7 +25,6 @@ is lockstep wall time / stream wall time.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from streamrl.recipe import load_recipe  # noqa: E402
 from streamrl.runtime.inputs import prepare_inputs, sft_rows  # noqa: E402
 from streamrl.runtime.learner import LearnerDriver  # noqa: E402
-from streamrl.runtime.run import run_async  # noqa: E402
+from streamrl.runtime.run import run  # noqa: E402
 from streamrl.runtime.runlog import RunLog, read_jsonl  # noqa: E402
 
 from benchmarks._common import emit, git_rev, machine  # noqa: E402
@@ -86,9 +85,11 @@ def mode_recipe(base: Any, model: Path, run_dir: Path, mode: str, steps: int, en
 
 
 def run_mode(recipe: Any, run_dir: Path, label: str) -> dict[str, Any]:
-    """One benchmark run of `recipe` into `run_dir`, announced on stderr as `label`: run_async's summary."""
+    """One benchmark run of `recipe` into `run_dir`, announced on stderr as `label`: its summary. A run
+    directory as `streamrl run` leaves it (recipe.yaml, summary.json), so `streamrl plan`, `report` and
+    `replay` read it."""
     print(f"[{label}] {recipe.run.steps} steps ...", file=sys.stderr, flush=True)
-    return asyncio.run(run_async(recipe, run_dir, progress=False))
+    return run(recipe, run_dir, progress=False)
 
 
 def mode_report(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:

@@ -202,7 +202,7 @@ SMOKES: dict[str, Smoke] = {
     "producer_ingest": Smoke(("producer_ingest.py", "--seconds", "1", "--producers", "1", "--dir", "{tmp}"),
                              _producer_ingest),
     "simulate_cluster": Smoke(("simulate_cluster.py", "--quick", "--gpus", "8", "--steps", "2", "--out-dir", "{tmp}",
-                               "groups_per_step=8"), _simulate_cluster, covers=("clustersim",), slow=False),
+                               "groups_per_step=8"), _simulate_cluster, slow=False),
     "weight_group_probe": Smoke(("weight_group_probe.py", "gloo"), _weight_group_probe),
     "engine_devices": Smoke(("engine_devices.py", "--presets", "tiny", "--max-new-tokens", "2", "--parity-requests",
                              "2", "--rounds", "1"), _engine_devices),

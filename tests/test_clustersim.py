@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.clustersim import Cluster, Lengths, Workload, simulate
-from benchmarks.simulate_cluster import fit_lockstep, read_lengths
+from streamrl.sim.cluster import Cluster, Lengths, Workload, simulate
+from benchmarks.simulate_cluster import read_lengths
+from streamrl.sim.fromrun import fit_step
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "benchmarks" / "simulate_cluster.py")
 
@@ -94,16 +95,16 @@ def test_stream_overlaps_a_long_tail_that_lockstep_waits_for():
     assert stream["engine_busy"] > lock["engine_busy"]
 
 
-def test_the_lockstep_fit_recovers_a_known_request_cost_or_a_faster_decode():
+def test_the_step_fit_recovers_a_known_request_cost_or_a_faster_decode():
     c, w = _cluster(), _work()
     target = simulate(dataclasses.replace(c, request_overhead_s=0.003), w)["wall_s"] / w.steps
-    fitted, how = fit_lockstep(c, w, target)
+    fitted, how = fit_step(c, w, target)
     assert how["fitted_request_overhead_s"] == pytest.approx(0.003, rel=1e-4) and how["fitted_decode_scale"] == 1.0
     assert fitted.request_overhead_s == how["fitted_request_overhead_s"]
     # an engine that decodes at 60% of the curve's time: no per-request cost can fit that, the scale does
     fast = dataclasses.replace(c, decode_base_s=c.decode_base_s * 0.6, decode_per_seq_s=c.decode_per_seq_s * 0.6)
     target = simulate(fast, w)["wall_s"] / w.steps
-    fitted, how = fit_lockstep(c, w, target)
+    fitted, how = fit_step(c, w, target)
     assert how["fitted_request_overhead_s"] == 0.0 and how["fitted_decode_scale"] == pytest.approx(0.6, rel=1e-3)
     assert simulate(fitted, w)["wall_s"] / w.steps == pytest.approx(target, rel=1e-4)
 

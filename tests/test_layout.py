@@ -78,10 +78,9 @@ def test_pools_and_connectors_use_only_the_core(prefix: str) -> None:
 
 
 def test_cluster_simulator_uses_only_the_core() -> None:
-    """The simulator's model (benchmarks/clustersim.py); its CLI also reads a measured run's pool
-    to calibrate against."""
-    f = REPO / "benchmarks" / "clustersim.py"
-    used = {n for n in imports(f, "benchmarks.clustersim") if n.startswith("streamrl")}
+    """The simulator's model (streamrl/sim/cluster.py) runs the core's rules and nothing else of StreamRL;
+    what reads a run's pool and log to feed it lives beside it (streamrl/sim/fromrun.py)."""
+    used = {d for d in streamrl_deps("streamrl.sim.cluster")}
     assert used and all(n.startswith("streamrl.core") for n in used), sorted(used)
 
 

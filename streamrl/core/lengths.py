@@ -27,6 +27,7 @@ Pure: no pool, no clock. The rollout worker feeds it, the cluster simulator reus
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Literal, TypeVar
 
@@ -180,3 +181,28 @@ def rank_quality(groups: Sequence[tuple[str, Sequence[int]]], decay: float = 0.5
     out: dict[str, float | int | None] = {k: spearman(p, a) for k, (p, a) in cols.items()}
     out.update({f"n_{k}": len(p) for k, (p, _) in cols.items()})
     return out
+
+
+def within_share(groups: Sequence[Sequence[int]]) -> float | None:
+    """The share of the response-length spread left within one group (one prompt's samples): the
+    pooled within-group variance of the lengths' normal scores over their total variance, in [0, 1].
+    1: a prompt says nothing about its length; 0.3: which prompt it is explains 70% of the spread.
+    Normal scores (the standard-normal quantile of each length's rank) make it the parameter of the
+    cluster simulator's Gaussian copula (`Lengths.within`) whatever the lengths' distribution.
+    None when undefined: no group of 2 or more, or every length the same."""
+    sizes = [len(g) for g in groups if len(g)]
+    n, k = sum(sizes), len(sizes)
+    if n - k < 1:
+        return None
+    flat = np.concatenate([np.asarray(g, dtype=float) for g in groups if len(g)])
+    normal = statistics.NormalDist()
+    z = np.array([normal.inv_cdf((r - 0.5) / n) for r in ranks(flat)])
+    total = float(((z - z.mean()) ** 2).sum()) / (n - 1)
+    if total <= 0:
+        return None
+    within, at = 0.0, 0
+    for size in sizes:
+        part = z[at:at + size]
+        within += float(((part - part.mean()) ** 2).sum())
+        at += size
+    return min(1.0, within / (n - k) / total)

@@ -32,8 +32,11 @@ from streamrl.pools.sql import QueryError
 from streamrl.producers import api_process
 from streamrl.recipe import RecipeError, dump_recipe, learner_summary, load_recipe
 from streamrl.runtime import RunFailed, RunLost
+from streamrl.sim.fromrun import RunReadError
+from streamrl.sim.plan import PlanError
 from streamrl.tools.from_slime import from_slime
 from streamrl.tools.init import init_project
+from streamrl.tools.plan import print_plan, run_plan
 from streamrl.tools.report import report_command
 
 EPILOG = """examples:
@@ -151,6 +154,38 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir")
     rep.add_argument("--out", help="output directory (default RUN_DIR/report)")
     rep.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+    pl = sub.add_parser(
+        "plan", help="size a cluster for a run's workload: engine/learner split, staleness, partial rollout, schedule",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Read RUN_DIR's pool (the response lengths, how much of them each prompt explains) and its log "
+                    "(the recipe's batch and settings; with --calibrate, what each step took), simulate that workload "
+                    "on --gpus GPUs in lockstep, one_step_off and stream (max_staleness 1/2/4/8, abort_resume and "
+                    "restart) at three engine/learner splits, then the prompt schedules on the best, and print the "
+                    "configuration to run: the most tokens trained per second within 5%% with the least staleness. "
+                    "The hardware is --model-size's preset (bf16 on H100s, scaled from a 7B model by parameter count) "
+                    "or `run`: the machine the run ran on. A first-order model (no KV-cache limit, no stragglers): "
+                    "compare configurations with it, then measure the one you pick.",
+        epilog="""examples:
+  streamrl plan runs/longtail --gpus 64                          # a 7B model on 64 H100s
+  streamrl plan runs/longtail --gpus 512 --model-size 32b --groups-per-step 512 --n-samples 16
+  streamrl plan W/lockstep --gpus 2 --model-size run --calibrate W/stream   # vs what the runs measured
+writes RUN_DIR/plan/plan.json and plan.png (or --out DIR)""")
+    pl.add_argument("run_dir", help="a run directory (streamrl run, or a benchmark's)")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs in all, engines and learner together")
+    pl.add_argument("--model-size", default="7b",
+                    help="parameters in billions (1.5b, 7b, 32b, 72b, ...): H100 preset; or `run`: the run's own "
+                         "machine, each GPU one of its devices (default %(default)s)")
+    pl.add_argument("--groups-per-step", type=int, help="prompts per step (default: the run's rollout.groups_per_step)")
+    pl.add_argument("--n-samples", type=int, help="samples per prompt (default: the run's rollout.n_samples)")
+    pl.add_argument("--steps", type=int, default=16,
+                    help="learner steps simulated per configuration, the first quarter as warm-up (default 16)")
+    pl.add_argument("--calibrate", nargs="*", metavar="OTHER_RUN",
+                    help="also simulate the run's own configuration on the machine it ran on, fitted on RUN_DIR, "
+                         "and set it against what RUN_DIR and each OTHER_RUN (the same recipe in other modes) "
+                         "measured; fit on a lockstep run: its rates are the uncontended ones")
+    pl.add_argument("--out", help="output directory (default RUN_DIR/plan)")
+    pl.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
     m = sub.add_parser("model", help="build a tiny HF-format model and tokenizer locally (no download)")
     ms = m.add_subparsers(dest="model_cmd", required=True, metavar="ACTION")
@@ -419,6 +454,21 @@ def _dispatch(args: argparse.Namespace) -> int:
             return report_command(args.run_dir, args.out, args.json)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.cmd == "plan":
+        if args.gpus < 2:
+            raise UsageError(f"--gpus {args.gpus}: a plan needs at least 2 (one learner GPU, one engine)")
+        if args.steps < 4:
+            raise UsageError(f"--steps {args.steps}: at least 4 (the first quarter is warm-up)")
+        try:
+            out = run_plan(args.run_dir, args.gpus, args.model_size, args.steps, args.groups_per_step,
+                           args.n_samples, args.calibrate, args.out, progress=not args.json)
+        except (RunReadError, PlanError) as e:
+            raise UsageError(str(e)) from None
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print_plan(out)
+        return 0
     if args.cmd == "model" and args.model_cmd == "merge-lora":
         # torch and transformers load for this command alone
         from streamrl.tools.merge_lora import merge_lora
