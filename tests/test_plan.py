@@ -46,7 +46,8 @@ def _run_dir(tmp_path: Path, mode: str = "lockstep", name: str = "run") -> Path:
         rows.append({"step": s, "train_s": 0.25 + tokens / 2000, "train_tokens": resp, "samples": 8,
                      "push_s": 0.01, "pause_s": 0.0, "wait_s": 0.1, "wall_time_s": STEP_S * (s + 1)})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "summary.json").write_text(json.dumps({"steps": STEPS, "rl_s": STEP_S * STEPS}))
+    (d / "summary.json").write_text(json.dumps({"steps": STEPS, "start_step": 0, "policy_version": STEPS,
+                                                "rl_s": STEP_S * STEPS}))
     return d
 
 
@@ -71,6 +72,14 @@ def test_read_run_takes_the_pool_lengths_prompts_and_the_learner_rate(tmp_path: 
     assert fixed == pytest.approx(0.25) and rate == pytest.approx(2000)
     w = workload(p, mode="stream")
     assert (w.mode, w.groups_per_step, w.n_samples, w.prompt_tokens, w.prompts) == ("stream", 2, 4, 10, 4)
+
+
+def test_a_resumed_run_counts_only_the_steps_its_rl_time_covers(tmp_path: Path) -> None:
+    d = _run_dir(tmp_path)
+    (d / "summary.json").write_text(json.dumps({"steps": STEPS, "start_step": 3, "policy_version": STEPS, "rl_s": 0.5}))
+    assert read_run(d).step_s == pytest.approx(0.5)  # one step trained after the checkpoint at step 3
+    (d / "summary.json").unlink()  # killed: no summary; the last step's wall time over the steps
+    assert read_run(d).step_s == pytest.approx(STEP_S)
 
 
 def test_read_run_refuses_what_is_not_a_run(tmp_path: Path) -> None:

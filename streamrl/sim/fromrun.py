@@ -79,10 +79,13 @@ def read_run(run_dir: str | Path) -> RunProfile:
                       within=1.0 if within is None else within)
     prompts = len({p for p, _ in groups})
     n = len(metrics)
-    rl_s = summary.get("rl_s") if summary.get("steps") == n or summary.get("policy_version") == n else None
+    # summary.json's RL time covers the steps this process trained (a resumed run: those after its checkpoint)
+    trained = int(summary.get("policy_version") or 0) - int(summary.get("start_step") or 0)
+    step_s = summary["rl_s"] / trained if summary.get("rl_s") and trained > 0 else metrics[-1].get("wall_time_s", 0.0) / n
+    if step_s <= 0:
+        raise RunReadError(f"{d}: neither summary.json nor metrics.jsonl says how long the steps took")
     return RunProfile(
-        run_dir=d, recipe=recipe, mode=recipe.run.mode, steps=n,
-        step_s=(rl_s or metrics[-1].get("wall_time_s", 0.0)) / n,
+        run_dir=d, recipe=recipe, mode=recipe.run.mode, steps=n, step_s=step_s,
         train_s=[float(m["train_s"]) for m in metrics],
         train_tokens=[int(m.get("train_tokens", 0)) + round(m.get("samples", 0) * prompt_tokens) for m in metrics],
         push_s=statistics.fmean(m.get("push_s", 0.0) for m in metrics),
