@@ -132,6 +132,10 @@ def test_recommend_takes_the_least_staleness_near_the_best() -> None:
     assert plan.recommend(rows)["max_staleness"] == 2  # 96 is within 5% of 101
     assert plan.recommend(rows, tolerance=0.01)["max_staleness"] == 4  # 100: the least waste within 1%
     assert plan.baseline(rows)["train_tokens_per_s"] == 50  # lockstep with fifo prompts, not the schedule's
+    # a schedule a little faster than fifo at the same bound is not worth the change; one that alone is near the best is
+    tb = _row("stream", 2, 97, schedule="tail_batching")
+    assert plan.recommend([*rows, tb])["schedule"] == "fifo"
+    assert plan.recommend([r for r in rows if r["max_staleness"] != 2] + [tb])["schedule"] == "tail_batching"
     keys = plan.recipe_keys(plan.recommend(rows), Workload(groups_per_step=10, n_samples=4, workers=2))
     # up to max_staleness + 1 = 3 steps of 10 groups in flight, over 2 workers: 15 each
     assert keys == {"run.mode": "stream", "staleness.max_staleness": 2, "rollout.schedule": "fifo", "engines.num": 1,

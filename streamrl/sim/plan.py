@@ -8,7 +8,8 @@ of the N "GPUs" is then one of that run's devices).
 
 Choice (`recommend`): by tokens trained per second (samples per second would favour `restart`, which
 drops long responses); among the configurations within `tolerance` of the best, the one with the least
-staleness (it costs learning, so past that point it buys nothing), then the least waste. The baseline
+staleness (it costs learning, so past that point it buys nothing), then the least waste, then fifo prompt
+order unless only a schedule gets near the best (a gain inside the tolerance is not worth the change). The baseline
 is lockstep at its own best split with fifo prompts: what a synchronous system would run.
 """
 
@@ -136,11 +137,13 @@ def baseline(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 def recommend(rows: Iterable[dict[str, Any]], tolerance: float = 0.05) -> dict[str, Any]:
     """The configuration to run (module docstring): within `tolerance` of the most tokens trained per
-    second, the least staleness, then the least waste, then the most throughput."""
+    second, the least staleness, then the least waste, then prompts in their drawn order (a schedule
+    only where fifo is not near the best), then the most throughput."""
     rows = list(rows)
     best = max(r["train_tokens_per_s"] for r in rows)
     near = [r for r in rows if r["train_tokens_per_s"] >= (1 - tolerance) * best]
-    return min(near, key=lambda r: (r["max_staleness"], r["wasted_token_fraction"] > 0.01, -r["train_tokens_per_s"]))
+    return min(near, key=lambda r: (r["max_staleness"], r["wasted_token_fraction"] > 0.01, r["schedule"] != "fifo",
+                                    -r["train_tokens_per_s"]))
 
 
 def recipe_keys(pick: dict[str, Any], w: Workload) -> dict[str, Any]:
