@@ -174,6 +174,7 @@ def test_plan_command_writes_json_and_png_and_calibrates(tmp_path: Path) -> None
 @pytest.mark.parametrize("where, args, says", [
     ("run", ["--gpus", "1"], "at least 2"),
     ("run", ["--gpus", "8", "--model-size", "huge"], "--model-size 'huge'"),
+    ("run", ["--gpus", "8", "--groups-per-step", "0"], "--groups-per-step 0: at least 1"),
     (".", ["--gpus", "8"], "not a StreamRL run directory"),
 ])
 def test_plan_command_refuses_bad_arguments_with_code_2(tmp_path: Path, where: str, args: list[str], says: str) -> None:

@@ -459,6 +459,9 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError(f"--gpus {args.gpus}: a plan needs at least 2 (one learner GPU, one engine)")
         if args.steps < 4:
             raise UsageError(f"--steps {args.steps}: at least 4 (the first quarter is warm-up)")
+        for flag, value in (("--groups-per-step", args.groups_per_step), ("--n-samples", args.n_samples)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} {value}: at least 1")
         try:
             out = run_plan(args.run_dir, args.gpus, args.model_size, args.steps, args.groups_per_step,
                            args.n_samples, args.calibrate, args.out, progress=not args.json)
