@@ -82,6 +82,16 @@ def test_a_resumed_run_counts_only_the_steps_its_rl_time_covers(tmp_path: Path) 
     assert read_run(d).step_s == pytest.approx(STEP_S)
 
 
+def test_read_run_skips_a_half_written_line_and_imports_no_user_code(tmp_path: Path) -> None:
+    d = _run_dir(tmp_path)
+    with (d / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "train_s": 0.')  # killed mid-write
+    text = (d / "recipe.yaml").read_text().replace("rewardkit:", "no_such_module_here:")
+    assert "no_such_module_here:" in text
+    (d / "recipe.yaml").write_text(text)
+    assert read_run(d).steps == STEPS
+
+
 def test_read_run_refuses_what_is_not_a_run(tmp_path: Path) -> None:
     with pytest.raises(RunReadError, match="no recipe.yaml"):
         read_run(tmp_path)

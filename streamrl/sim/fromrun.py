@@ -53,7 +53,7 @@ def read_run(run_dir: str | Path) -> RunProfile:
     d = Path(run_dir)
     if not (d / RECORDED_RECIPE).is_file():
         raise RunReadError(f"{d}: no {RECORDED_RECIPE}: not a StreamRL run directory (streamrl run --run-dir DIR)")
-    recipe = load_recipe(str(d / RECORDED_RECIPE))
+    recipe = load_recipe(str(d / RECORDED_RECIPE), resolve=False)  # settings only: no user code imported
     metrics = _steps(d)
     if len(metrics) < 2:
         raise RunReadError(f"{d}/metrics.jsonl: {len(metrics)} learner step(s) logged; a profile needs at least 2")
@@ -103,9 +103,12 @@ def _steps(d: Path) -> list[dict[str, Any]]:
         raise RunReadError(f"{d}: no metrics.jsonl: the run logged no learner step") from None
     rows: dict[int, dict[str, Any]] = {}
     for line in lines:
-        if line.strip():
+        try:
             m = json.loads(line)
             rows[int(m["step"])] = m
+        except (ValueError, KeyError, TypeError):
+            continue  # blank, or the half-written last line of a killed run
+    rows = {k: m for k, m in rows.items() if "train_s" in m}
     return [rows[k] for k in sorted(rows)]
 
 
