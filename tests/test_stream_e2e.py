@@ -8,7 +8,7 @@ Runs are expensive (25-60 s, mostly start-up), so a few runs are shared by sever
 
 | run                | recipe                                                       | tests |
 |--------------------|--------------------------------------------------------------|-------|
-| eta4_abort_resume  | stream, eta 4, abort_resume, 48 new tokens, disk sync, keep all weights | staleness[4], partial[abort_resume] |
+| eta4_abort_resume  | stream, eta 4, abort_resume, 96 new tokens, disk sync, keep all weights | staleness[4], partial[abort_resume] |
 | eta1_in_place      | stream, eta 1, in_place, 48 new tokens, disk sync, keep all weights     | staleness[1], partial[in_place] |
 | eta1_finish_old    | stream, eta 1, finish_old (20 ms window), otherwise as eta1_in_place    | staleness[finish_old], partial[finish_old] |
 | lockstep, one_step_off | the base recipe in those modes                           | modes[...] |
@@ -49,8 +49,10 @@ RUN_OVERRIDES: dict[str, dict[str, Any]] = {
     # Long responses (the tiny model rarely emits eos) and a publish after every learner step:
     # most responses are interrupted by a version update at least once. Disk sync with every
     # version kept, so the test can recompute log-probs with each version's weights.
+    # eta 4 lets generation run ahead: with 48 tokens it once finished every group the run claims before a
+    # publish found a call in flight (CI of 2026-11-28, a loaded machine); 96 keeps calls longer in flight.
     "eta4_abort_resume": {"run.steps": STEPS, "staleness.max_staleness": 4, "staleness.partial_rollout": "abort_resume",
-                          "rollout.max_new_tokens": 48, "engines.weight_sync": "disk", "engines.keep_weights": 0},
+                          "rollout.max_new_tokens": 96, "engines.weight_sync": "disk", "engines.keep_weights": 0},
     "eta1_in_place": {"run.steps": STEPS, "staleness.max_staleness": 1, "staleness.partial_rollout": "in_place",
                       "rollout.max_new_tokens": 48, "engines.weight_sync": "disk", "engines.keep_weights": 0},
     # finish_old: the engines run 20 ms on the old weights before the abort; a short window, so
