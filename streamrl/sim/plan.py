@@ -163,8 +163,8 @@ def recipe_keys(pick: dict[str, Any], w: Workload) -> dict[str, Any]:
 def plan_workload(p: RunProfile, steps: int, groups_per_step: int | None, n_samples: int | None) -> Workload:
     """The run's workload for the sweep: `steps` steps (the first quarter left out as warm-up); prompts
     that come back epoch after epoch (the run's distinct prompts where they came back in it, else 4
-    steps of prompts) so that a schedule has a history to rank by; lengths in 16-token blocks beyond
-    2k tokens (thousands of simulated steps stay small)."""
+    steps of prompts) so that a schedule has a history to rank by; lengths counted in blocks of
+    max_new_tokens / 128 tokens (at least 1), so long responses stay small in memory."""
     changes: dict[str, Any] = {"steps": steps, "warmup_steps": max(1, steps // 4)}
     if groups_per_step:
         changes["groups_per_step"] = groups_per_step
@@ -181,13 +181,13 @@ def plan_workload(p: RunProfile, steps: int, groups_per_step: int | None, n_samp
 def cluster_maker(p: RunProfile, model_size: str) -> tuple[Callable[[int, int], Cluster], int, dict[str, Any]]:
     """(learner GPUs, engines) -> Cluster, GPUs per engine, and how the hardware was chosen."""
     if model_size == "run":
-        c, fitted = calibrated_cluster(p)
         # The run's learner was one device; k of them split its per-step work (data parallel, ideally).
-        return (lambda learner, engines: dataclasses.replace(
-            c, engines=engines, learner_gpus=learner)), 1, {"hardware": "the run's own machine (measured)", **fitted}
-    c, tp = preset(model_size)
-    return (lambda learner, engines: dataclasses.replace(c, engines=engines, learner_gpus=learner)), tp, {
-        "hardware": f"{model_size} in bf16 on H100s (preset scaled from the 7B defaults), tp {tp} per engine"}
+        c, fitted = calibrated_cluster(p)
+        tp, hardware = 1, {"hardware": "the run's own machine (measured)", **fitted}
+    else:
+        c, tp = preset(model_size)
+        hardware = {"hardware": f"{model_size} in bf16 on H100s (preset scaled from the 7B defaults), tp {tp} per engine"}
+    return (lambda learner, engines: dataclasses.replace(c, engines=engines, learner_gpus=learner)), tp, hardware
 
 
 def calibration(p: RunProfile, others: list[RunProfile]) -> dict[str, Any]:
