@@ -51,11 +51,19 @@ def test_token_of_char_maps_offsets_through_prefix_lengths() -> None:
 
 def test_error_mask_keeps_only_the_blamed_token_of_a_negative_sample() -> None:
     assert credit.error_mask([1, 1, 1, 1], -0.5, 2) == [0, 0, 1, 0]
-    assert credit.error_mask([1, 1, 1, 1], 0.5, 2) == [1, 1, 1, 1]  # above average: every token
+    assert credit.error_mask([1, 1, 1, 1], 0.5, None) == [1, 1, 1, 1]  # above average, nothing wrong: every token
     assert credit.error_mask([1, 1, 1, 1], 0.0, 2) == [1, 1, 1, 1]
     assert credit.error_mask([1, 1, 1, 1], -0.5, None) == [1, 1, 1, 1]  # no located error: GRPO's spread
     assert credit.error_mask([1, 0, 1, 1], -0.5, 1) == [1, 0, 1, 1]  # blamed token not trained on (tool output)
     assert credit.error_mask([1, 1], -0.5, 7) == [1, 1]  # out of range: ignored, not an index error
+
+
+def test_error_mask_credits_only_the_right_prefix_of_a_positive_sample() -> None:
+    # above average yet wrong (a partial-credit reward): the tokens before the blamed one, not it or after
+    assert credit.error_mask([1, 1, 1, 1], 0.5, 2) == [1, 1, 0, 0]
+    assert credit.error_mask([1, 1, 1, 1], 0.5, 0) == [0, 0, 0, 0]  # wrong from its first token: nothing to credit
+    assert credit.error_mask([0, 1, 1, 1, 1], 0.25, 3) == [0, 1, 1, 0, 0]  # untrained tokens stay untrained
+    assert credit.error_mask([1, 1, 0, 1], 0.5, 2) == [1, 1, 0, 1]  # blamed token not trained on: own mask
 
 
 def test_blame_token_finds_the_token_of_the_wrong_digit(model_dir: Path) -> None:  # noqa: F811
@@ -83,12 +91,12 @@ def _group(rewards: list[float], blamed: list[int | None]) -> SampleGroup:
     return SampleGroup(group_id="g", prompt_id="p", prompt_tokens=[1, 2], samples=samples)
 
 
-def test_learner_rows_under_first_error_mask_only_negative_samples() -> None:
-    group = _group([1.0, 0.0, 0.0, 1.0], [None, 2, None, 1])
+def test_learner_rows_under_first_error_mask_around_the_blamed_token() -> None:
+    group = _group([1.0, 0.0, 0.0, 0.75], [None, 2, None, 1])
     seq, _ = learner_rows([group], "grpo")
     assert all(r.loss_mask == [1, 1, 1, 1] for r in seq)
     rows, _ = learner_rows([group], "grpo", "first_error")
     assert [r.advantage for r in rows] == pytest.approx([r.advantage for r in seq])  # advantages unchanged
     # sample 1 (below average, blamed token 2) trains on token 2 alone; sample 2 has no located error;
-    # sample 3 is above average, so its (stale) blame is ignored
-    assert [r.loss_mask for r in rows] == [[1, 1, 1, 1], [0, 0, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    # sample 3 is above average (partial credit) but wrong from token 1: only token 0 is credited
+    assert [r.loss_mask for r in rows] == [[1, 1, 1, 1], [0, 0, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]

@@ -6,7 +6,9 @@ cancel) and every step written after the mistake, which are often right given th
 before them (so the push teaches wrong arithmetic). When the reward function can say where the
 response first goes wrong - a reward component `first_error`, the character offset of the first
 wrong character of the response text it was given - a below-average sample can train on that
-token alone: the one decision the verifier blames. Above-average samples keep every token.
+token alone: the one decision the verifier blames. An above-average sample keeps every token, or,
+when the verifier still finds an error in it (a partial-credit reward scores a right prefix), the
+tokens before that error: a wrong token is never reinforced and a verified-right one never pushed down.
 
 The rollout worker maps the character to a token (`token_of_char`, a binary search over the
 decoded lengths of the response's token prefixes) and stores it as the component `first_error_token`; the learner
@@ -34,14 +36,19 @@ def token_of_char(end_of: Callable[[int], int], n: int, offset: float) -> int | 
 
 
 def error_mask(loss_mask: Sequence[int], advantage: float, error_token: float | None) -> list[int]:
-    """The loss mask a sample trains with under `first_error`: below average (advantage < 0) with
-    a located error on a token it trains on -> that token alone; otherwise its own mask."""
+    """The loss mask a sample trains with under `first_error`, given the response token its
+    verifier blames (None: no error located): below average (advantage < 0) -> that token alone;
+    above average -> its tokens before it (a partial-credit reward rewards the right prefix, not the
+    mistake or what follows it); otherwise, or when the blamed token is not one it trains on, its
+    own mask."""
     mask = [int(m) for m in loss_mask]
-    if advantage >= 0 or error_token is None:
+    if advantage == 0 or error_token is None:
         return mask
     k = int(error_token)
     if not 0 <= k < len(mask) or not mask[k]:
         return mask
+    if advantage > 0:
+        return mask[:k] + [0] * (len(mask) - k)
     out = [0] * len(mask)
     out[k] = 1
     return out

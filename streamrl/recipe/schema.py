@@ -298,9 +298,10 @@ class LearnerCfg(_Cfg):
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | fn(rewards [G, n]) -> [G, n]
     loss: str = "ppo"  # ppo (PPO clip, eps_clip_*, dual_clip) | fn(logp, inputs, cfg) -> loss [, stats]
     loss_agg: Literal["token", "seq", "group"] = "token"
-    # Where a below-average sample's (negative) advantage goes: sequence = every token (GRPO);
-    # first_error = only the token the verifier blames, when the reward returns the component
-    # `first_error` (character offset of the first wrong character; streamrl/core/credit.py says why)
+    # Where a sample's advantage goes: sequence = every token (GRPO); first_error, when the reward
+    # returns the component `first_error` (character offset of the first wrong character): a
+    # below-average sample trains on the token it blames alone, an above-average one on its tokens
+    # before it (streamrl/core/credit.py says why)
     negative_credit: Literal["sequence", "first_error"] = "sequence"
     eps_clip_low: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.2
     eps_clip_high: Annotated[float, msgspec.Meta(ge=0)] = 0.28

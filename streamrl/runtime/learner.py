@@ -53,7 +53,8 @@ def learner_rows(groups: list[SampleGroup], advantage: Choice,
                  negative_credit: str = "sequence") -> tuple[list[Sample], list[float]]:
     """Learner rows and the scored rewards of a batch; `advantage` is `learner.advantage`, a
     built-in name or the user's function (step.sample_advantages); `negative_credit`:
-    `first_error` trains a below-average sample on the token its verifier blames (core/credit.py)."""
+    `first_error` trains a below-average sample on the token its verifier blames and an above-average
+    one on its tokens before it (core/credit.py)."""
     scored = [alg.scored(g) for g in groups]
     rewards = [[float(s.reward) for s in grp] for grp in scored]  # type: ignore[arg-type]
     advs = alg.sample_advantages(rewards, advantage)
