@@ -6,10 +6,14 @@
 
 One shared SFT start (stream_vs_lockstep.shared_start), then the recipe's RL phase in `lockstep`,
 `one_step_off` and `stream` (same seed, steps and groups per step, so the same number of samples
-trained), `--repeats` times each, evaluated every `run.eval_every` versions on the background
-evaluator (its own engine). A curve point is one evaluated version: `wall_s` is when the learner
-published it (seconds of RL; evaluation time is not counted), `samples` how many samples it had
-trained on.
+trained), `--repeats` times each, evaluated every `run.eval_every` versions by the dedicated
+evaluation engine: by default (`--eval-mode after`) each version is exported when reached and
+evaluated once the run's training is over, because on a machine with few cores an evaluator running
+beside training takes CPU from it (on the 2-core box a 512-prompt evaluation took 40-90 s and
+one-step-off fell behind lockstep); `--eval-mode background` evaluates while training goes on, as
+on a cluster where the evaluator has its own device. A curve point is one evaluated version:
+`wall_s` is when the learner published it (seconds of RL; evaluation time is not counted),
+`samples` how many samples it had trained on.
 
 The target (`--target`, default: the median final accuracy of lockstep's runs) and each run's time
 to reach it: the wall time of the first evaluated version at or above it (null if none did). Per
@@ -108,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (default: %(default)s)")
     ap.add_argument("--eval-every", type=int, help="versions between evaluations (default: the recipe's run.eval_every)")
+    ap.add_argument("--eval-mode", choices=("after", "background"), default="after",
+                    help="evaluate the versions once each run's training is over (default), or while it trains")
     ap.add_argument("--target", type=float, help="accuracy to reach (default: lockstep's median final accuracy)")
     ap.add_argument("--metric", choices=("accuracy", "greedy_accuracy"), default="accuracy",
                     help="sampled (default) or greedy held-out accuracy")
@@ -140,14 +146,15 @@ def main() -> None:
             r = msgspec.structs.replace(
                 base, sft=None, model=msgspec.structs.replace(base.model, path=str(model), init=None),
                 run=msgspec.structs.replace(base.run, mode=mode, steps=steps, checkpoint_every=0, eval_every=every,
-                                            dir=str(work / label)))
+                                            eval_mode=a.eval_mode, dir=str(work / label)))
             log(f"[{label}] {steps} steps, evaluated every {every} ...")
             asyncio.run(run_async(r, work / label, progress=False))
             runs[mode].append(curve(read_jsonl(work / label / "eval.jsonl"), per_step, a.metric))
             c = runs[mode][-1]
             log(f"[{label}] {a.metric} {c[0]['accuracy']:.3f} -> {c[-1]['accuracy']:.3f} in {c[-1]['wall_s']:.0f}s")
     out: dict[str, Any] = {"benchmark": "time_to_accuracy", "git": git_rev(), "recipe": a.recipe,
-                           "overrides": a.overrides, "steps": steps, "eval_every": every, "repeats": a.repeats,
+                           "overrides": a.overrides, "steps": steps, "eval_every": every, "eval_mode": a.eval_mode,
+                           "repeats": a.repeats,
                            "metric": a.metric, "samples_per_step": per_step, "sft_s": sft_s, "sft_model": str(model),
                            **summarize(runs, a.target), "curves": runs, "work_dir": str(work)}
     png = Path(a.png) if a.png else (Path(a.out).with_suffix(".png") if a.out else work / "time_to_accuracy.png")

@@ -120,6 +120,15 @@ def test_background_eval_pins_each_version(tmp_path: Path, ray_cluster: None) ->
             assert not w7.exists()  # the skipped export is deleted too
             assert (base / "config.json").exists()
             assert [r["policy_version"] for r in bg.rows] == [3, 5, 9]
+
+            # Held (run.eval_mode: after): nothing is evaluated, and nothing skipped, until drain().
+            bg.hold()
+            for v in (10, 11, 12):  # one more than max_pending
+                assert bg.submit(v, v - 1, str(base), wall_time_s=float(v))
+            await asyncio.sleep(1.0)
+            assert len(bg.rows) == 3 and bg.skipped == [7]
+            await bg.drain(120)
+            assert [r["policy_version"] for r in bg.rows] == [3, 5, 9, 10, 11, 12]
         finally:
             await bg.stop()
         assert not pid_alive(engine_pid)
@@ -127,11 +136,12 @@ def test_background_eval_pins_each_version(tmp_path: Path, ray_cluster: None) ->
     asyncio.run(scenario())
 
     rows = read_jsonl(run_dir / "eval.jsonl")
-    assert [r["policy_version"] for r in rows] == [3, 5, 9]
-    assert [r["step"] for r in rows] == [2, 4, 8]
-    assert [r["wall_time_s"] for r in rows] == [3.0, 5.0, 9.0]
+    assert [r["policy_version"] for r in rows] == [3, 5, 9, 10, 11, 12]
+    assert [r["step"] for r in rows] == [2, 4, 8, 9, 10, 11]
+    assert [r["wall_time_s"] for r in rows] == [3.0, 5.0, 9.0, 10.0, 11.0, 12.0]
+    assert [r["mode"] for r in rows] == ["background"] * 3 + ["after"] * 3
     for r in rows:
-        assert r["mode"] == "background" and "version_mismatch" not in r
+        assert "version_mismatch" not in r
         assert r["engine_versions"] == [str(r["policy_version"])]
         assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["greedy_accuracy"] <= 1.0
         assert r["prompts"] == len(PROMPT_TEXTS) and r["samples_per_prompt"] == 2

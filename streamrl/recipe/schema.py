@@ -62,8 +62,10 @@ class RunCfg(_Cfg):
     checkpoint_every: NonNegInt = 10  # learner steps between checkpoints; 0 = only at the end
     eval_every: NonNegInt = 0  # learner steps between evaluations (besides before and after); 0 = none
     # background: a dedicated engine evaluates the exact version while training goes on;
-    # inline: the rollout engines evaluate between steps (training waits)
-    eval_mode: Literal["background", "inline"] = "background"
+    # inline: the rollout engines evaluate between steps (training waits); after: each version is
+    # exported when reached and the dedicated engine evaluates them all once training ends (no CPU
+    # taken from training: for timing runs on a machine with few cores)
+    eval_mode: Literal["background", "inline", "after"] = "background"
     keep_checkpoints: NonNegInt = 3  # newest checkpoints kept; 0 = all (replay needs one at or before its steps)
     loggers: list[Literal["tensorboard", "wandb"]] = []  # optional mirrors of metrics.jsonl/eval.jsonl
     wandb_project: str | None = None  # default: run.name

@@ -13,7 +13,10 @@ row to eval.jsonl:
      "mode": "background", "accuracy": ..., "greedy_accuracy": ..., "engine_versions": ["V"], ...}
 
 Evaluations run one at a time; at most `max_pending` wait (the oldest waiting one is skipped
-when a new one arrives: training never blocks on evaluation). An export under RUN_DIR/weights/
+when a new one arrives: training never blocks on evaluation). After `hold()` (`run.eval_mode:
+after`) none starts and none is skipped until `drain()`: the exports wait on disk and the engine
+evaluates them once training is over, so on a machine with few cores the run's clock measures
+training alone. An export under RUN_DIR/weights/
 is temporary and deleted once evaluated (or skipped).
 
     bg = BackgroundEval(recipe, log, tokenizer, records, model_dir, backend="embedded",
@@ -79,6 +82,9 @@ class BackgroundEval:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._released = asyncio.Event()  # cleared by hold(): evaluations wait for drain()
+        self._released.set()
+        self.mode = "background"  # eval.jsonl's "mode"; "after" once held
         self._task: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
         self._temp_root = (log.dir / "weights").resolve()
@@ -103,12 +109,17 @@ class BackgroundEval:
         self._task = asyncio.create_task(self._loop(), name="background-eval")
         self.log.info(f"background evaluation engine up at {self.url} (log {self.log_dir / 'eval'})")
 
+    def hold(self) -> None:
+        """Start no evaluation, and skip none, until `drain()`."""
+        self._released.clear()
+        self.mode = "after"
+
     def submit(self, version: int, step: int, weights: Awaitable[str] | str, wall_time_s: float) -> bool:
         """Queue an evaluation of `version` from `weights` (an HF directory, or an awaitable of
-        one, e.g. the learner's export ref). Never blocks: with `max_pending` already waiting,
-        the oldest waiting one is skipped (warning) and False is returned."""
+        one, e.g. the learner's export ref). Never blocks: with `max_pending` already waiting
+        (and not held), the oldest waiting one is skipped (warning) and False is returned."""
         ok = True
-        while len(self._pending) >= self.max_pending:
+        while self._released.is_set() and len(self._pending) >= self.max_pending:
             old = self._pending.popleft()
             self.skipped.append(old.version)
             self.log.warn(f"background evaluation of version {old.version} skipped: {self.max_pending} evaluations "
@@ -123,9 +134,12 @@ class BackgroundEval:
         return ok
 
     async def drain(self, timeout_s: float = 600) -> None:
-        """Wait until every queued evaluation has finished (or `timeout_s` passed: warning)."""
+        """Release a hold and wait until every queued evaluation has finished (or `timeout_s`
+        passed, per evaluation queued: warning)."""
         if self._task is None:
             return
+        timeout_s *= max(1, len(self._pending))
+        self._released.set()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -159,6 +173,7 @@ class BackgroundEval:
 
     async def _loop(self) -> None:
         while True:
+            await self._released.wait()
             if not self._pending:
                 self._idle.set()
                 self._wake.clear()
@@ -175,7 +190,7 @@ class BackgroundEval:
                 raise RuntimeError(f"the eval engine could not load {path}: {out.get('message')}")
             res = await evaluate(self._client, self.tokenizer, self.records, self.recipe)
             row = {"policy_version": v, "step": job.step, "wall_time_s": job.wall_time_s,
-                   "finished_wall_s": self.clock() - self.t0, "mode": "background", **res}
+                   "finished_wall_s": self.clock() - self.t0, "mode": self.mode, **res}
             if res["engine_versions"] != [str(v)]:
                 row["version_mismatch"] = True
                 self.log.warn(f"background evaluation of version {v}: responses came from engine versions "

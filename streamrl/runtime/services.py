@@ -140,10 +140,12 @@ class Services:
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
         bg_up = None
-        if r.run.eval_every and r.run.eval_mode == "background" and r.data.eval_path:
+        if r.run.eval_every and r.run.eval_mode in ("background", "after") and r.data.eval_path:
             self.bg_eval = BackgroundEval(r, self.log, self.tokenizer, eval_records(r), r.model.path,
                                           backend=r.engines.backend, engine_kwargs=kwargs, extra_args=r.engines.extra_args,
                                           tp=r.engines.tp, log_dir=self.dir / "logs", keys=self.keys)
+            if r.run.eval_mode == "after":
+                self.bg_eval.hold()
             bg_up = asyncio.create_task(self.bg_eval.start())
         if r.sft is not None and not sft_done:
             await self._sft()
