@@ -85,6 +85,10 @@ def test_background_eval_rows_are_pinned_to_versions(run_dir: Path) -> None:
         assert r["finished_wall_s"] >= r["wall_time_s"] and 0 <= r["accuracy"] <= 1
     inline = [r["policy_version"] for r in rows if r["mode"] == "inline"]
     assert inline == [0, STEPS]  # before and after training, on the rollout engines
+    # every row's clock is when its version was trained, not when the evaluation ran
+    trained = {m["policy_version"]: m["wall_time_s"] for m in read_metrics(run_dir)}
+    assert [r["wall_time_s"] for r in rows if r["policy_version"]] == [trained[r["policy_version"]]
+                                                                       for r in rows if r["policy_version"]]
     assert not list((run_dir / "weights").glob("eval-*")), "evaluated exports are deleted"
 
 

@@ -185,7 +185,9 @@ class Steps:
                 c.lora_path = lora_names.adapter_name(self.broadcaster.version)
             res = await evaluate(c, self.svc.tokenizer, eval_records(self.r), self.r)
         served = self.broadcaster.version  # what the engines serve (the learner may be a step ahead)
-        wall = time.perf_counter() - self.t0 + self.wall_offset if self.steps else self.wall_offset
+        # When the version was trained, as background rows have it: not after the waits that come
+        # between (the last evaluations drained, the final checkpoint), which would count as RL time.
+        wall = self.steps[-1]["wall_time_s"] if self.steps else self.wall_offset
         row = {"policy_version": served, "step": step, "wall_time_s": wall, "mode": "inline", **res}
         self.evals.append(row)
         self.log.eval(row)
