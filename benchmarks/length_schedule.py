@@ -44,7 +44,7 @@ from streamrl.recipe import load_recipe  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
 from benchmarks._common import emit, git_rev, machine  # noqa: E402
-from benchmarks.stream_vs_lockstep import mode_recipe, mode_report, run_mode, shared_start  # noqa: E402
+from benchmarks.stream_vs_lockstep import mode_recipe, mode_report, pinned, run_mode, shared_start  # noqa: E402
 
 
 def step_times(run_dir: Path) -> tuple[list[dict[str, Any]], list[float]]:
@@ -116,7 +116,7 @@ def main() -> None:
     work, model, sft_s = shared_start(base, "length-schedule-", a.sft_model)
     files = write_longtail_task(work / "data", seed=base.run.seed, n_train=prompts)
     epochs = math.ceil(steps * base.rollout.groups_per_step * base.rollout.over_sampling / prompts) + 1
-    pin = not a.no_pin and (os.cpu_count() or 1) >= 2
+    pin = pinned(a)
     runs: dict[str, Any] = {}
     for mode in a.modes.split(","):
         for schedule in a.schedules.split(","):

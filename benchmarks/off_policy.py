@@ -45,7 +45,7 @@ from streamrl.runtime.run import run_async  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
 from benchmarks._common import emit, git_rev, machine  # noqa: E402
-from benchmarks.stream_vs_lockstep import mode_report, shared_start  # noqa: E402
+from benchmarks.stream_vs_lockstep import add_placement_args, mode_report, pinned, shared_start  # noqa: E402
 
 OPTIONS = ("none", "tis", "tis_seq", "mis", "decoupled", "icepop")
 METRICS = ("is_weight_mean", "is_masked_tokens", "is_capped_tokens", "is_ratio_mean", "clip_frac")
@@ -116,8 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, help="learner steps per run (default: the recipe's run.steps)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per option, seeds run.seed + 0, 1, ... (default 1)")
     ap.add_argument("--max-staleness", type=int, default=4)
-    ap.add_argument("--engines", type=int, default=1)
-    ap.add_argument("--no-pin", action="store_true", help="do not pin the engine and learner to separate cores")
+    add_placement_args(ap)
     ap.add_argument("--quick", action="store_true", help="6 steps, one run per option (a smoke run, not a measurement)")
     ap.add_argument("--out-dir", default="runs/off_policy", help="off_policy.json and off_policy.png go here")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every run")
@@ -143,7 +142,7 @@ def main() -> None:
     steps = 6 if a.quick else (a.steps or base.run.steps)
     repeats = 1 if a.quick else a.repeats
     work, model, sft_s = shared_start(base, "off-policy-")
-    pin = not a.no_pin and (os.cpu_count() or 1) >= 2
+    pin = pinned(a)
     runs: list[dict[str, Any]] = []
     for name in names:
         for rep in range(repeats):

@@ -120,13 +120,23 @@ def add_recipe_args(ap: argparse.ArgumentParser) -> None:
                        help="the quick-start recipe (recipes/quickstart.yaml)")
 
 
+def add_placement_args(ap: argparse.ArgumentParser) -> None:
+    """--engines (default 1) and --no-pin: where every mode's engines and learner run."""
+    ap.add_argument("--engines", type=int, default=1, help="rollout engines per run (default: %(default)s)")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin the engine and learner to separate cores")
+
+
+def pinned(a: argparse.Namespace) -> bool:
+    """Pin (engine core 0, learner core 1) unless --no-pin or the machine has one core."""
+    return not a.no_pin and (os.cpu_count() or 1) >= 2
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_recipe_args(ap)
     ap.add_argument("--steps", type=int, help="learner steps per mode (default: the recipe's run.steps)")
     ap.add_argument("--modes", default="lockstep,one_step_off,stream")
-    ap.add_argument("--engines", type=int, default=1)
-    ap.add_argument("--no-pin", action="store_true", help="do not pin the engine and learner to separate cores")
+    add_placement_args(ap)
     ap.add_argument("--quick", action="store_true", help="6 steps per mode (a smoke run, not a measurement)")
     ap.add_argument("--policies", default="",
                     help="also run stream once per staleness.partial_rollout listed (abort_resume,in_place,restart,"
@@ -145,7 +155,7 @@ def main() -> None:
     base = load_recipe(a.recipe, a.overrides)
     steps = 6 if a.quick else (a.steps or base.run.steps)
     work, model, sft_s = shared_start(base, "stream-vs-lockstep-", a.sft_model)
-    pin = not a.no_pin and (os.cpu_count() or 1) >= 2
+    pin = pinned(a)
     modes: dict[str, Any] = {}
     runs = [(m, m, base.staleness.partial_rollout) for m in a.modes.split(",")]
     runs += [(f"stream_{p}", "stream", p) for p in a.policies.split(",") if p]

@@ -16,7 +16,8 @@ on a cluster where the evaluator has its own device. A curve point is one evalua
 `samples` how many samples it had trained on.
 
 The target (`--target`, default: the median final accuracy of lockstep's runs) and each run's time
-to reach it: the wall time of the first evaluated version at or above it (null if none did). Per
+to reach it: linear between the first evaluated version at or above it and the one before (null if
+none did). Per
 mode, the median over runs (null when most runs never reached it), the ratio lockstep / mode, and
 the final accuracy (median, min-max). The JSON carries `time_to_target_s: {mode: s}`,
 `target_accuracy`, `final_accuracy: {mode: ...}`; the PNG (`--png`, default next to `--out` or in
@@ -47,7 +48,7 @@ from streamrl.runtime.run import run_async  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
 from benchmarks._common import emit, git_rev, log, machine  # noqa: E402
-from benchmarks.stream_vs_lockstep import add_recipe_args, shared_start  # noqa: E402
+from benchmarks.stream_vs_lockstep import add_placement_args, add_recipe_args, mode_recipe, pinned, shared_start  # noqa: E402
 
 MODES = ("lockstep", "one_step_off", "stream")
 COLORS = {"lockstep": "tab:gray", "one_step_off": "tab:blue", "stream": "tab:orange"}
@@ -62,8 +63,16 @@ def curve(evals: list[dict[str, Any]], samples_per_step: int, metric: str = "acc
 
 
 def time_to_target(points: list[dict[str, Any]], target: float) -> float | None:
-    """The wall time of the first evaluated version at or above `target`; None if none was."""
-    return next((p["wall_s"] for p in points if p["accuracy"] >= target), None)
+    """When the curve first reaches `target`: linear between the first evaluated version at or above it
+    and the one before (evaluations are tens of steps apart; taking the later one's time would round
+    every mode up to its next evaluation); the first point's time if it starts there; None if never."""
+    for prev, p in zip([None, *points], points):
+        if p["accuracy"] >= target:
+            if prev is None:
+                return p["wall_s"]
+            f = (target - prev["accuracy"]) / (p["accuracy"] - prev["accuracy"])
+            return prev["wall_s"] + f * (p["wall_s"] - prev["wall_s"])
+    return None
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -109,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_recipe_args(ap)
     ap.add_argument("--steps", type=int, help="learner steps per run (default: the recipe's run.steps)")
+    add_placement_args(ap)
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode (default: %(default)s)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (default: %(default)s)")
     ap.add_argument("--eval-every", type=int, help="versions between evaluations (default: the recipe's run.eval_every)")
@@ -138,15 +148,14 @@ def main() -> None:
     steps = a.steps or base.run.steps
     every = a.eval_every or base.run.eval_every or max(1, steps // 6)
     work, model, sft_s = shared_start(base, "time-to-accuracy-", a.sft_model)
+    pin = pinned(a)
     per_step = base.rollout.groups_per_step * base.rollout.n_samples
     runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in a.modes}
     for rep in range(a.repeats):
         for mode in a.modes:  # interleaved, so a drift in the machine's speed touches every mode alike
             label = f"{mode}-{rep}"
-            r = msgspec.structs.replace(
-                base, sft=None, model=msgspec.structs.replace(base.model, path=str(model), init=None),
-                run=msgspec.structs.replace(base.run, mode=mode, steps=steps, checkpoint_every=0, eval_every=every,
-                                            eval_mode=a.eval_mode, dir=str(work / label)))
+            r = mode_recipe(base, model, work / label, mode, steps, a.engines, pin)
+            r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, eval_every=every, eval_mode=a.eval_mode))
             log(f"[{label}] {steps} steps, evaluated every {every} ...")
             asyncio.run(run_async(r, work / label, progress=False))
             runs[mode].append(curve(read_jsonl(work / label / "eval.jsonl"), per_step, a.metric))
@@ -154,7 +163,7 @@ def main() -> None:
             log(f"[{label}] {a.metric} {c[0]['accuracy']:.3f} -> {c[-1]['accuracy']:.3f} in {c[-1]['wall_s']:.0f}s")
     out: dict[str, Any] = {"benchmark": "time_to_accuracy", "git": git_rev(), "recipe": a.recipe,
                            "overrides": a.overrides, "steps": steps, "eval_every": every, "eval_mode": a.eval_mode,
-                           "repeats": a.repeats,
+                           "engines": a.engines, "pinned": pin, "repeats": a.repeats,
                            "metric": a.metric, "samples_per_step": per_step, "sft_s": sft_s, "sft_model": str(model),
                            **summarize(runs, a.target), "curves": runs, "work_dir": str(work)}
     png = Path(a.png) if a.png else (Path(a.out).with_suffix(".png") if a.out else work / "time_to_accuracy.png")

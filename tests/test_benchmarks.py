@@ -365,13 +365,15 @@ def test_report_only_benchmarks(name: str, tmp_path: Path) -> None:
         assert [(p["version"], p["wall_s"], p["samples"], p["accuracy"]) for p in fast] == [
             (0, 0.0, 0, 0.0), (2, 0.5, 8, 0.5), (3, 1.0, 12, 0.5)]
         slow = [{**p, "wall_s": 3 * p["wall_s"], "accuracy": p["accuracy"] * 0.8} for p in fast]
-        # lockstep's median final accuracy is 0.4: its slow runs reach it at version 2 (1.5 s), stream's
-        # runs at their version 2 (0.5 s); a target most runs never reach gives None
+        # lockstep's median final accuracy is 0.4: its slow runs reach it exactly at version 2 (1.5 s); a fast
+        # run goes 0.0 -> 0.5 between 0 s and 0.5 s, so it crosses 0.4 at 0.8 of the way (0.4 s); a target
+        # most runs never reach gives None
         rep = time_to_accuracy.summarize({"lockstep": [slow, slow, fast], "stream": [fast, fast, fast]}, None)
         assert rep["target_accuracy"] == pytest.approx(0.4)
-        assert rep["time_to_target_runs_s"]["lockstep"] == [1.5, 1.5, 0.5]
-        assert rep["time_to_target_s"] == {"lockstep": 1.5, "stream": 0.5}
-        assert rep["speedup_vs_lockstep"]["stream"] == pytest.approx(3.0)
+        assert rep["time_to_target_runs_s"]["lockstep"] == pytest.approx([1.5, 1.5, 0.4])
+        assert rep["time_to_target_s"] == pytest.approx({"lockstep": 1.5, "stream": 0.4})
+        assert rep["speedup_vs_lockstep"]["stream"] == pytest.approx(3.75)
+        assert time_to_accuracy.time_to_target(fast, 0.0) == 0.0  # reached where it starts
         assert rep["final_accuracy"] == {"lockstep": pytest.approx(0.4), "stream": 0.5}
         high = time_to_accuracy.summarize({"lockstep": [slow, slow, fast]}, 0.5)
         assert high["time_to_target_s"] == {"lockstep": None}  # 2 of 3 runs never reached 0.5
