@@ -6,22 +6,22 @@
 
 One shared SFT start (stream_vs_lockstep.shared_start), then the recipe's RL phase in `lockstep`,
 `one_step_off` and `stream` (same seed, steps and groups per step, so the same number of samples
-trained), `--repeats` times each, evaluated every `run.eval_every` versions by the dedicated
-evaluation engine: by default (`--eval-mode after`) each version is exported when reached and
-evaluated once the run's training is over, because on a machine with few cores an evaluator running
-beside training takes CPU from it (on the 2-core box a 512-prompt evaluation took 40-90 s and
-one-step-off fell behind lockstep); `--eval-mode background` evaluates while training goes on, as
-on a cluster where the evaluator has its own device. A curve point is one evaluated version:
-`wall_s` is when the learner published it (seconds of RL; evaluation time is not counted),
-`samples` how many samples it had trained on.
+trained), `--repeats` times each, placed as stream_vs_lockstep.py places them (`--engines` engines
+pinned to core 0, the learner to core 1; `--no-pin` lets them float), evaluated every `run.eval_every`
+versions by the dedicated evaluation engine: by default (`--eval-mode after`) each version is exported
+when reached and evaluated once the run's training is over, because on a machine with few cores an
+evaluator running beside training takes CPU from it (on the 2-core box a 512-prompt evaluation took
+40-90 s and one-step-off fell behind lockstep); `--eval-mode background` evaluates while training goes
+on, as on a cluster where the evaluator has its own device. A curve point is one evaluated version:
+`wall_s` is when the learner published it (seconds of RL; evaluation time is not counted), `samples` how
+many samples it had trained on.
 
-The target (`--target`, default: the median final accuracy of lockstep's runs) and each run's time
-to reach it: linear between the first evaluated version at or above it and the one before (null if
-none did). Per
-mode, the median over runs (null when most runs never reached it), the ratio lockstep / mode, and
-the final accuracy (median, min-max). The JSON carries `time_to_target_s: {mode: s}`,
-`target_accuracy`, `final_accuracy: {mode: ...}`; the PNG (`--png`, default next to `--out` or in
-the work directory) draws every run's curve against seconds and against samples.
+The target (`--target`, default: the median final accuracy of lockstep's runs) and each run's time to
+reach it: linear between the first evaluated version at or above it and the one before (null if none
+did). Per mode, the median over runs (null when most runs never reached it), the ratio lockstep / mode,
+and the final accuracy (median, min-max). The JSON carries `time_to_target_s: {mode: s}`,
+`target_accuracy`, `final_accuracy: {mode: ...}`; the PNG (`--png`, default next to `--out` or in the
+work directory) draws every run's curve against seconds and against samples.
 """
 
 from __future__ import annotations
@@ -48,7 +48,13 @@ from streamrl.runtime.run import run_async  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
 from benchmarks._common import emit, git_rev, log, machine  # noqa: E402
-from benchmarks.stream_vs_lockstep import add_placement_args, add_recipe_args, mode_recipe, pinned, shared_start  # noqa: E402
+from benchmarks.stream_vs_lockstep import (  # noqa: E402
+    add_placement_args,
+    add_recipe_args,
+    mode_recipe,
+    pinned,
+    shared_start,
+)
 
 MODES = ("lockstep", "one_step_off", "stream")
 COLORS = {"lockstep": "tab:gray", "one_step_off": "tab:blue", "stream": "tab:orange"}
