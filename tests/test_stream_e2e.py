@@ -28,6 +28,7 @@ import os
 import re
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,8 +209,13 @@ def test_over_sampling_streams_to_the_end(runs: Runs) -> None:
     sk.check_step_metrics(metrics, run.steps)
     assert all(m["dropped_over_sampling"] == k - GPS for m in metrics), ([m["dropped_over_sampling"] for m in metrics], where)
     led = sk.assert_ledger_balanced(run.dir)["ledger"]
-    assert (led["consumed"], led["dropped"], led["complete"]) == (run.steps * GPS, run.steps * (k - GPS), 0), led
-    assert led["admitted"] == run.steps * k, led
+    reasons = Counter(r["drop_reason"] for r in sk.group_rows(run.dir).values() if r["status"] == "dropped")
+    assert reasons["over_sampling"] == run.steps * (k - GPS) and set(reasons) <= {"over_sampling", "stale"}, reasons
+    # A group started early that completes after three newer ones can miss its step and go stale (CI of
+    # 2026-11-29, a loaded machine: 2 of them); the learner asks for one more group for each, no other.
+    stale = reasons["stale"]
+    assert (led["consumed"], led["dropped"], led["complete"]) == (run.steps * GPS, run.steps * (k - GPS) + stale, 0), led
+    assert led["admitted"] == run.steps * k + stale, (led, reasons)
     problems = sk.admission_excess(run.dir, 1, k)
     assert not problems, "\n".join(problems) + " " + where
 
