@@ -34,35 +34,44 @@ from streamrl.connectors.ports import tcp_store
 from streamrl.connectors.sglang.launcher import ensure_ray
 from streamrl.recipe import Recipe, learner_layout
 from streamrl.runtime import placement
-from streamrl.runtime.learner import LearnerDriver, quiet_megatron
 
 COLLECTIVE = frozenset({"train_step", "retrain", "sft", "restore", "checkpoint", "push_weights", "export",
                         "weights_meta", "export_adapter"})
 EVERY_RANK = frozenset({"close"})  # on all ranks, but no collective inside: not ordered
 
 
-class _Rank(LearnerDriver):
+class _Rank:
+    """One rank: a LearnerDriver (streamrl/runtime/learner.py) built in the actor's own process.
+    The run's driver only names this class, so it never imports megatron-core (5 s of CPU at the
+    start of every run on a CPU machine, before Ray is even up); every call reaches the LearnerDriver
+    through `ordered` (collectives) or `call`."""
+
     def __init__(self, recipe_json: bytes, model_dir: str, tokenizer_dir: str, rank: int, store_port: int) -> None:
+        from streamrl.runtime.learner import LearnerDriver, quiet_megatron  # in the actor only: see above
+
         quiet_megatron()
         self._turn = threading.Condition()
         self._next = 0
-        super().__init__(msgspec.json.decode(recipe_json, type=Recipe), model_dir, rank=rank, store_port=store_port)
-        if self.pool is not None:
-            self.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it
+        self.driver = LearnerDriver(msgspec.json.decode(recipe_json, type=Recipe), model_dir, rank=rank,
+                                    store_port=store_port)
+        if self.driver.pool is not None:
+            self.driver.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it
 
     def ordered(self, seq: int, name: str, *args: Any, **kwargs: Any) -> Any:
         """Run collective `name` as call number `seq` of the group (see the module docstring)."""
         with self._turn:
             self._turn.wait_for(lambda: self._next == seq)
         try:
-            return getattr(self, name)(*args, **kwargs)
+            return self.call(name, *args, **kwargs)
         finally:
             with self._turn:
                 self._next += 1
                 self._turn.notify_all()
 
-    def ping(self) -> int:
-        return self.version
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "ping":
+            return self.driver.version
+        return getattr(self.driver, name)(*args, **kwargs)
 
 
 class _Method:
@@ -75,8 +84,8 @@ class _Method:
             seq = next(g._seq)
             return _all([r.ordered.remote(seq, self.name, *args, **kwargs) for r in g.ranks])
         if self.name in EVERY_RANK:
-            return _all([getattr(r, self.name).remote(*args, **kwargs) for r in g.ranks])
-        return getattr(g.ranks[0], self.name).remote(*args, **kwargs)
+            return _all([r.call.remote(self.name, *args, **kwargs) for r in g.ranks])
+        return g.ranks[0].call.remote(self.name, *args, **kwargs)
 
 
 async def _all(refs: list[Any]) -> Any:
