@@ -54,6 +54,16 @@ def test_patched_spots_still_hard_code_cuda(module: str, name: str, needle: str)
     assert needle in inspect.getsource(obj), f"{module}.{name} no longer contains {needle!r}"
 
 
+def test_megatron_imports_without_compiling_its_fusions() -> None:
+    """A fresh process that imports the learner (through streamrl.connectors.megatron) gets megatron's
+    fusions as plain functions and never imports TorchDynamo; torch.compile is torch's own again after."""
+    code = ("import sys, torch, streamrl.connectors.megatron.learner, megatron.core.jit as jit; "
+            "print(jit.jit_fuser.__name__, 'torch._dynamo' in sys.modules, torch.compile.__module__)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["_eager", "False", "torch"], p.stdout
+
+
 def test_cpu_views_of_torch_redirect_only_cuda() -> None:
     """What the patched modules see: `torch.zeros(device="cuda")` and `current_device()` land on
     the CPU, `synchronize()` is a no-op, everything else is torch; `.cuda()` is the identity only

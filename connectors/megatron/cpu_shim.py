@@ -1,6 +1,7 @@
 """megatron-core 0.16 on a machine without CUDA: the few spots that hard-code the GPU.
 
-Applied by `apply()` only when CUDA is absent, so the same learner code runs unpatched on
+Applied by `apply()` only when CUDA is absent (and, for start-up time rather than correctness,
+`eager_fusions()` before megatron-core's first import), so the same learner code runs unpatched on
 GPU. Each patch names the megatron-core function it covers; `tests/test_megatron_cpu.py`
 fails loudly if an upgrade moves or changes them (the version is pinned below).
 
@@ -47,6 +48,7 @@ The bf16 learner (learner.dtype bf16: megatron's mixed precision) adds:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import types
 from importlib.metadata import version
 from typing import Any
@@ -153,6 +155,31 @@ def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -
 
 def _causal_mask_cpu(sq: int) -> torch.Tensor:
     return torch.ones(sq, sq, dtype=torch.bool).triu(1)  # True = masked, as megatron expects
+
+
+def eager_fusions() -> None:
+    """Before megatron-core is first imported, on a machine without CUDA: import it with its fusions
+    left as plain functions. megatron.core.jit sets `jit_fuser = torch.compile` at import and about 20
+    fusions are decorated with it, and the first decoration imports TorchDynamo and Inductor: about 1 s
+    of every learner process's start-up here, for functions the CPU learner never calls (the model
+    turns the fusions off; TORCH_LOGS=dynamo shows no frame traced in a step). megatron's own
+    `disable_jit_fuser` comes too late: importing megatron.core.jit imports every decorated module.
+    A no-op with CUDA, or when megatron-core was imported already."""
+    import sys
+
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _eager  # type: ignore[assignment] # what megatron.core.jit keeps as jit_fuser
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = compile_
+
+
+def _eager(model: Any = None, **_: Any) -> Any:
+    """torch.compile's signature, compiling nothing: `@torch.compile` and `@torch.compile(...)` alike."""
+    return model if model is not None else (lambda fn: fn)
 
 
 def check_version() -> str:

@@ -26,7 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from megatron.core.transformer.moe.router import TopKRouter
+
+from streamrl.connectors.megatron.cpu_shim import eager_fusions
+
+eager_fusions()  # before megatron-core's first import in a learner process (CPU only; see cpu_shim)
+
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
 
 class RowReplay:
