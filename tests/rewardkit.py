@@ -23,6 +23,8 @@ from __future__ import annotations
 import time
 import zlib
 
+from streamrl.core.types import SampleGroup
+
 FLAKY_MESSAGE = "rewardkit refuses to score this response"
 
 
@@ -45,6 +47,11 @@ def flaky(response: str, **_: object) -> float:
     if flaky_fails(response):
         raise RewardKitError(f"{FLAKY_MESSAGE} ({len(response)} chars)")
     return digit_fraction(response)
+
+
+def drop_ids(group: SampleGroup, ids: tuple[str, ...] = (), **_: object) -> bool:
+    """A filter: False (drop) for the groups of the prompts with these ids."""
+    return group.prompt_id not in ids
 
 
 _seen: dict[str, tuple[float, int]] = {}  # path -> (when read, lines): many held calls share one read

@@ -12,6 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from streamrl.plugins.data import DataError, PromptRecord, PromptSource, read_records
+from streamrl.recipe import load_recipe
+from streamrl.runtime import RunFailed
+from streamrl.runtime.inputs import check_enough_prompts
 
 
 def _jsonl(path: Path, rows: list, raw_lines: dict[int, str] | None = None) -> Path:
@@ -229,3 +232,20 @@ def test_write_task_chain_rows_continue_problems_with_exact_totals(tmp_path):
     messages = [json.loads(x)["prompt"] for x in chat["sft"].read_text().splitlines()]
     assert [len(m) for m in messages[:3]] == [1, 3, 5] and messages[2][3]["role"] == "assistant"
     assert messages[1][2] == {"role": "tool", "content": rows[1]["prompt"].split("<|im_end|>")[1]}
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["run.steps=10", "rollout.groups_per_step=3"], False),  # 30 groups from 10 prompts x 3 epochs: just enough
+    (["run.steps=11", "rollout.groups_per_step=3"], True),
+    (["run.steps=10", "rollout.groups_per_step=2", "rollout.over_sampling=1.5"], False),  # claims 3 a step
+    (["run.steps=11", "rollout.groups_per_step=2", "rollout.over_sampling=1.5"], True),
+    (["run.steps=100", "producer_api.enabled=true"], False),  # external producers bring their own prompts
+])
+def test_a_run_claiming_more_groups_than_its_prompts_make_is_refused(overrides: list[str], refused: bool) -> None:
+    r = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml", ["data.epochs=3", *overrides])
+    if not refused:
+        check_enough_prompts(r, 10)
+        return
+    with pytest.raises(RunFailed, match=r"10 usable prompts x data.epochs 3 = 30 groups, fewer than run.steps 11 x 3 "
+                                        r"groups a step = 33: raise data.epochs to 4 or more, or lower run.steps to 10"):
+        check_enough_prompts(r, 10)

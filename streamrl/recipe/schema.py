@@ -124,7 +124,7 @@ class DataCfg(_Cfg):
     label_key: str = "label"  # the row's label, passed to the reward function
     shuffle: bool = True  # shuffle the prompts each epoch (seeded by data.seed)
     seed: int = 0
-    epochs: PosInt = 1  # passes over the prompts
+    epochs: PosInt = 1  # passes over the prompts (one group each); `streamrl run` refuses run.steps that claim more
     on_error: Literal["fail", "skip"] = "fail"  # malformed rows: stop before any work, or skip with a warning
     eval_path: str | None = None  # held-out prompts (same keys), evaluated before and after training
     eval_samples: PosInt = 4  # sampled responses per eval prompt (accuracy = mean over them)

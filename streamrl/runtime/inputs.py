@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.connectors.megatron.model_kit import init_model_dir
+from streamrl.core.staleness import claimed_per_step
 from streamrl.plugins.data import DataError, PromptSource
 from streamrl.recipe import Recipe, resolve_fn
 from streamrl.runtime import RunFailed
@@ -41,6 +42,24 @@ def prepare_inputs(r: Recipe, log: RunLog) -> None:
             raise RunFailed(str(e)) from None
         for msg in src.skipped:
             log.warn(f"skipped a malformed row: {msg}")
+        if path == d.path:
+            check_enough_prompts(r, len(src))
+
+
+def check_enough_prompts(r: Recipe, prompts: int) -> None:
+    """A run whose steps claim more groups than its prompts make (one group per prompt and epoch)
+    can never finish: refuse it before anything starts, rather than hours in with "out of prompts".
+    A lower bound only: filtered and stale groups use prompts too. Not with external producers
+    (they bring their own prompts) or without rollout workers."""
+    if not r.rollout.workers or r.producer_api.enabled:
+        return
+    per_step = claimed_per_step(r.rollout.groups_per_step, r.rollout.over_sampling)
+    need, have = r.run.steps * per_step, prompts * r.data.epochs
+    if need > have:
+        raise RunFailed(f"data.path: {r.data.path} has {prompts} usable prompts x data.epochs {r.data.epochs} = {have} "
+                        f"groups, fewer than run.steps {r.run.steps} x {per_step} groups a step = {need}: raise "
+                        f"data.epochs to {-(-need // max(1, prompts))} or more, or lower run.steps to "
+                        f"{have // per_step} or less")
 
 
 def sft_rows(r: Recipe, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
