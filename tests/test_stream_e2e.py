@@ -24,6 +24,7 @@ Long file: the runs are expensive, so several behaviours are checked on the same
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -516,19 +517,36 @@ def test_engine_death_shows_in_the_metrics_of_the_step_it_hit(kill_run: KillRun)
 
 def test_running_out_of_prompts_ends_the_run_with_a_reason(tmp_path: Path, tiny_model: Path,  # noqa: F811
                                                           task_data: dict[str, Path]) -> None:  # noqa: F811
-    # 6 prompts, one epoch, 2 groups per step: step 3 can have no batch. The run must stop with
-    # exit 2 and say why, not wait forever for groups that will never come.
+    # 6 prompts, one epoch, 2 groups per step: 3 steps fit, but a filter drops the groups of two
+    # prompts, so step 2 can have no batch. The run must stop with exit 2 and say why, not wait
+    # forever for groups that will never come; the evaluations it held for after training are still
+    # made (they were lost with the exports once: a 1,200-step run kept only version 0's).
     lines = task_data["train"].read_text().splitlines()[:6]
     small = tmp_path / "six.jsonl"
     small.write_text("\n".join(lines) + "\n")
-    recipe = sk.write_recipe(tmp_path, tiny_model, small, {"data.epochs": 1, "data.shuffle": False})
+    dropped = [json.loads(line)["id"] for line in lines[:2]]
+    recipe = sk.write_recipe(tmp_path, tiny_model, small, {
+        "data.epochs": 1, "data.shuffle": False, "filters": [{"fn": "rewardkit:drop_ids", "args": {"ids": dropped}}],
+        "run.eval_every": 1, "run.eval_mode": "after", "data.eval_path": str(task_data["eval"]), "data.eval_size": 4,
+        "data.eval_samples": 1})
     run_dir = tmp_path / "run"
-    res = sk.run_recipe(recipe, run_dir, ["run.mode=lockstep", "run.steps=5"], timeout_s=300, check=False)
+    res = sk.run_recipe(recipe, run_dir, ["run.mode=lockstep", "run.steps=3"], timeout_s=300, check=False)
     assert res.returncode == 2, sk.describe_run(run_dir, res.stderr, res.returncode)
     assert "ran out of prompts" in res.stderr and "data.epochs" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr, res.stderr
-    assert len(sk.read_metrics(run_dir)) == 3
+    assert len(sk.read_metrics(run_dir)) == 2
     sk.assert_ledger_balanced(run_dir)
+    evals = sk.read_jsonl(run_dir / "eval.jsonl")
+    assert sorted(e["policy_version"] for e in evals) == [0, 1, 2], evals
+    assert not list((run_dir / "weights").glob("eval-*")), "evaluated exports are removed"
+
+    # Asking for more groups than the prompts make at all is refused before anything starts.
+    again = tmp_path / "run-too-long"
+    res = sk.run_recipe(recipe, again, ["run.mode=lockstep", "run.steps=4"], timeout_s=120, check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert ("6 usable prompts x data.epochs 1 = 6 groups, fewer than run.steps 4 x 2 groups a step = 8" in res.stderr
+            and "raise data.epochs to 2 or more, or lower run.steps to 3 or less" in res.stderr), res.stderr
+    assert not (again / "pool").exists() and not (again / "logs").exists(), sorted(p.name for p in again.iterdir())
 
 
 # ---------------------------------------------------------------- 4. lockstep and one-step-off

@@ -133,6 +133,11 @@ class BackgroundEval:
         self._wake.set()
         return ok
 
+    @property
+    def waiting(self) -> int:
+        """Evaluations queued and not started (all of them while held)."""
+        return len(self._pending)
+
     async def drain(self, timeout_s: float = 600) -> None:
         """Release a hold and wait until every queued evaluation has finished (or `timeout_s`
         passed, per evaluation queued: warning)."""

@@ -86,6 +86,14 @@ async def run_async(r: Recipe, run_dir: Path, progress: bool = True, resume: boo
                     "reward_last": rt.steps[-1]["reward_mean"] if rt.steps else None,
                     "staleness_max": max((m["staleness_max"] for m in rt.steps), default=0),
                     "engine_restarts": svc.engines.restarts}
+    except RunFailed:
+        # A run that stops with a reason (out of prompts, a filter that always raises) still evaluates
+        # the versions it held or queued: its evaluation engine is its own and alive, and with
+        # run.eval_mode after those evaluations are the run's only held-out curve.
+        if svc.bg_eval is not None and svc.bg_eval.waiting:
+            svc.log.warn(f"the run stopped early: evaluating the {svc.bg_eval.waiting} version(s) it queued first")
+            await svc.bg_eval.drain()
+        raise
     except asyncio.CancelledError:
         if svc.interrupted:
             raise KeyboardInterrupt from None
