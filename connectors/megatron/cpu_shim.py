@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import types
 from importlib.metadata import version
 from typing import Any
@@ -165,8 +166,6 @@ def eager_fusions() -> None:
     turns the fusions off; TORCH_LOGS=dynamo shows no frame traced in a step). megatron's own
     `disable_jit_fuser` comes too late: importing megatron.core.jit imports every decorated module.
     A no-op with CUDA, or when megatron-core was imported already."""
-    import sys
-
     if torch.cuda.is_available() or "megatron.core" in sys.modules:
         return
     compile_ = torch.compile
