@@ -15,8 +15,9 @@ from streamrl.runtime.rollout import encode_prompt
 from streamrl.runtime.runlog import RunLog
 
 
-def prepare_inputs(r: Recipe, log: RunLog) -> None:
-    """Build what the recipe says to build when missing: the tiny model, the task data."""
+def prepare_inputs(r: Recipe, log: RunLog) -> int:
+    """Build what the recipe says to build when missing: the tiny model, the task data. Returns
+    the number of usable training prompts (for `check_enough_prompts`)."""
     if r.model.init is not None and not (Path(r.model.path) / "config.json").exists():
         init_model_dir(r.model.path, r.model.init.preset, r.model.init.seed)
     if r.data.generate is not None and not Path(r.data.path).exists():
@@ -31,6 +32,7 @@ def prepare_inputs(r: Recipe, log: RunLog) -> None:
     # Read every dataset once now, so a malformed row stops the run before anything starts.
     d = r.data
     checks = [(d.path, d.prompt_key, d.label_key)]
+    prompts = 0
     if d.eval_path:
         checks.append((d.eval_path, d.prompt_key, d.label_key))
     if r.sft is not None:
@@ -42,8 +44,8 @@ def prepare_inputs(r: Recipe, log: RunLog) -> None:
             raise RunFailed(str(e)) from None
         for msg in src.skipped:
             log.warn(f"skipped a malformed row: {msg}")
-        if path == d.path:
-            check_enough_prompts(r, len(src))
+        prompts = len(src) if path == d.path else prompts
+    return prompts
 
 
 def check_enough_prompts(r: Recipe, prompts: int) -> None:

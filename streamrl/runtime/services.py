@@ -32,7 +32,7 @@ from streamrl.recipe import Recipe, learner_layout, learner_summary
 from streamrl.runtime import RunFailed, faultpoint, placement
 from streamrl.runtime.background_eval import BackgroundEval
 from streamrl.runtime.broadcast import VersionBroadcaster
-from streamrl.runtime.inputs import eval_records, prepare_inputs, sft_rows
+from streamrl.runtime.inputs import check_enough_prompts, eval_records, prepare_inputs, sft_rows
 from streamrl.runtime.learner_group import LearnerGroup
 from streamrl.runtime.resume import Resumed, restore
 from streamrl.runtime.rollout import model_routing, worker_actor
@@ -71,7 +71,7 @@ class Services:
 
     async def start(self) -> None:
         r = self.r
-        prepare_inputs(r, self.log)
+        check_enough_prompts(r, prepare_inputs(r, self.log))
         self.tokenizer = AutoTokenizer.from_pretrained(r.model.tokenizer or r.model.path)
         recipe_json = msgspec.json.encode(r)
         need = r.engines.num + r.rollout.workers + 1 + math.prod(learner_layout(r))
