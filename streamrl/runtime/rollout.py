@@ -72,8 +72,7 @@ def blame_token(tokenizer: Any, tokens: list[int], components: dict[str, Any]) -
 
 class RolloutWorker:
     def __init__(self, recipe: Recipe, router_url: str, index: int = 0, num_workers: int = 1,
-                 version: int = 0, data_state: dict | None = None, api_key: str | None = None,
-                 engine_urls: list[str] | None = None) -> None:
+                 version: int = 0, data_state: dict | None = None, api_key: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.r, self.index, self.num_workers = recipe, index, num_workers
@@ -106,11 +105,8 @@ class RolloutWorker:
         ro = recipe.rollout
         self.sampling = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
         self.routing = model_routing(recipe)  # (layers, top_k) when responses carry routed experts
-        # sglang-router 0.3.2 drops return_routed_experts from what it forwards (docs/engines.md), so
-        # routed calls go to the engines themselves, round robin as the router would, and a call
-        # whose engine fails goes through the router next time (without routing: counted)
-        self.direct = [SGLangClient(u, connect_retries=2, keys=Keys(api=api_key)) for u in engine_urls or []] \
-            if self.routing else []
+        self.api_key = api_key
+        self.direct: list[SGLangClient] = []  # set_engines: the engines' own clients, for routed calls
         self._next_engine = index  # workers start on different engines
         self._direct_failed = False
         self.version = version
@@ -140,6 +136,15 @@ class RolloutWorker:
         if max_staleness is not None:
             self.max_staleness = max_staleness
         self._wake.set()
+
+    def set_engines(self, urls: list[str]) -> None:
+        """The engines' own URLs, known once they are up (the worker is built while they start).
+        sglang-router 0.3.2 drops return_routed_experts from what it forwards (docs/engines.md), so
+        routed calls go to the engines themselves, round robin as the router would, and a call
+        whose engine fails goes through the router next time (without routing: counted)."""
+        if self.routing and not self.direct:
+            self.direct = [SGLangClient(u, connect_retries=2, keys=Keys(api=self.api_key)) for u in urls]
+            self._set_adapter()
 
     def _set_adapter(self) -> None:
         """learner.lora: new generations run with the adapter of the current version (engines keep
@@ -560,10 +565,10 @@ class _ActorWorker:
     """Ray wrapper: builds the worker inside the actor's event loop."""
 
     def __init__(self, recipe_json: bytes, router_url: str, index: int, num_workers: int, version: int,
-                 data_state: dict | None, api_key: str | None = None, engine_urls: list[str] | None = None) -> None:
+                 data_state: dict | None, api_key: str | None = None) -> None:
         logging.basicConfig(level=logging.WARNING)
         self._args = (msgspec.json.decode(recipe_json, type=Recipe), router_url, index, num_workers, version,
-                      data_state, api_key, engine_urls)
+                      data_state, api_key)
         self.w: RolloutWorker | None = None
 
     async def _worker(self) -> RolloutWorker:
@@ -582,6 +587,9 @@ class _ActorWorker:
 
     async def set_version(self, version: int, max_staleness: int | None = None) -> None:
         (await self._worker()).set_version(version, max_staleness)
+
+    async def set_engines(self, urls: list[str]) -> None:
+        (await self._worker()).set_engines(urls)
 
     async def report(self) -> dict[str, Any]:
         return (await self._worker()).report()

@@ -154,7 +154,23 @@ class Services:
             self.resumed = await restore(self.learner, self.dir, self.log, r.max_staleness)
             if self.resumed.redone:  # another stop need not train these steps a third time
                 await self.checkpoint(self.resumed.data_states)
-        engine_urls = await engines_up
+        n = r.rollout.workers
+        saved = self.resumed.data_states
+        states = saved if saved and len(saved) == n else [None] * n
+
+        def spawn(i: int, version: int, state: dict[str, Any] | None) -> Any:  # worker i, in bundle i
+            return worker_actor(placement.WORKER_CPUS).options(**placement.on(self.workers_pg, i)).remote(
+                recipe_json, self.router.url, i, n, version, state, self.keys.api)
+
+        # The rollout workers are built (slow imports: tokenizer, pool) while the engines still start;
+        # none generates before the run's loop asks it to.
+        self.crew = Crew(spawn, states, self.resumed.version, r.max_staleness, self.log)
+        workers_up = asyncio.create_task(self.crew.start())
+        try:
+            engine_urls = await engines_up
+        except BaseException:
+            workers_up.cancel()
+            raise
         self.log.info(f"engines at {', '.join(engine_urls)} (behind the router)")
         if bg_up is not None:
             await bg_up
@@ -169,16 +185,8 @@ class Services:
             if failed:
                 raise RunFailed(f"engines could not load the weights of version {version}: {failed}")
             self.broadcaster.version = version
-        n = r.rollout.workers
-        saved = self.resumed.data_states
-        states = saved if saved and len(saved) == n else [None] * n
-
-        def spawn(i: int, version: int, state: dict[str, Any] | None) -> Any:  # worker i, in bundle i
-            return worker_actor(placement.WORKER_CPUS).options(**placement.on(self.workers_pg, i)).remote(
-                recipe_json, self.router.url, i, n, version, state, self.keys.api, engine_urls)
-
-        self.crew = Crew(spawn, states, version, r.max_staleness, self.log)
-        await self.crew.start()
+        await workers_up
+        await self.crew.set_engines(engine_urls)
         if r.producer_api.enabled:
             await self._start_producer_service()
 

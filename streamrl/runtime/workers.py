@@ -42,6 +42,7 @@ class Crew:
                  handover_s: float = HANDOVER_S) -> None:
         self.spawn, self.max_staleness, self.log, self.handover_s = spawn, max_staleness, log, handover_s
         self.version = version
+        self.engine_urls: list[str] | None = None  # set_engines: a restarted worker gets them too
         self.actors = [spawn(i, version, s) for i, s in enumerate(states)]
         self.last: list[dict[str, Any] | None] = [None] * len(states)  # each worker's newest report
         self._states = list(states)
@@ -90,6 +91,8 @@ class Crew:
         self.last[i] = None
         a = self.actors[i] = self.spawn(i, self.version, self._states[i])
         a.set_version.remote(self.version, self.max_staleness)  # queued: it runs once the actor is placed
+        if self.engine_urls is not None:
+            a.set_engines.remote(self.engine_urls)
         if i in self._split:
             a.set_split.remote(*self._split[i])
         self._placing[i] = a.ready.remote()
@@ -119,6 +122,10 @@ class Crew:
             else:
                 out[i] = r
         return out
+
+    async def set_engines(self, urls: list[str]) -> None:
+        self.engine_urls = urls
+        await self.call("set_engines", urls)
 
     async def set_version(self, version: int) -> None:
         self.version = version
