@@ -25,6 +25,7 @@ class _Toy:
             os._exit(1)
         self.i, self.v, self.state, self.eta = index, version, state or {}, None
         self.made, self.stopping, self.die_in_generate, self.split = 0, False, die_in_generate, None
+        self.engines: list[str] | None = None
 
     async def ready(self) -> dict[str, Any]:
         return await self.report()
@@ -33,7 +34,10 @@ class _Toy:
         return {"producer": f"toy-{self.i}", "version": self.v, "eta": [self.eta], "started": self.made,
                 "inflight": 0, "accepted": self.made, "gen_tokens": 10 * self.made, "drops": {"short": self.made},
                 "exhausted": False, "data_state": {"pos": self.state.get("pos", 0) + self.made},
-                "born_with": dict(self.state), "split": self.split}
+                "born_with": dict(self.state), "split": self.split, "engines": self.engines}
+
+    async def set_engines(self, urls: list[str]) -> None:
+        self.engines = urls
 
     async def set_split(self, live_index: int, live: int, reserved: int) -> None:
         self.split = [live_index, live, reserved]
@@ -105,9 +109,11 @@ def test_a_dead_streaming_worker_starts_again_where_it_stood_and_its_totals_carr
         spawned: list[tuple[int, int, Any]] = []
         crew = _crew(tmp_path, 2, spawned)
         await crew.start()
+        await crew.set_engines(["http://e0", "http://e1"])  # known once the engines are up, after the workers
         crew.start_streaming()
         await asyncio.sleep(0.3)
         before = await crew.reports()
+        assert [r["engines"] for r in before] == [["http://e0", "http://e1"]] * 2
         assert [r["eta"] for r in before] == [[2], [2]] and all(r["accepted"] > 0 for r in before)
         await crew.set_version(7)
         ray.kill(crew.actors[0], no_restart=True)
@@ -119,6 +125,7 @@ def test_a_dead_streaming_worker_starts_again_where_it_stood_and_its_totals_carr
         after = await crew.reports()
         new = after[0]["born_with"]
         assert new == before[0]["data_state"] and after[0]["eta"] == [2]
+        assert after[0]["engines"] == ["http://e0", "http://e1"]  # a restarted worker learns them too
         assert after[0]["accepted"] > before[0]["accepted"]  # the dead worker's totals plus the new one's
         assert after[0]["drops"]["short"] == after[0]["accepted"]
         assert not await crew.check_streams()  # both stream again
