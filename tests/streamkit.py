@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +273,50 @@ def run_recipe(recipe: Path, run_dir: Path, overrides: Sequence[str] = (), timeo
     return run_streamrl(["run", str(recipe), *overrides, "--run-dir", str(run_dir)], timeout_s, run_dir, check)
 
 
+@dataclass
+class Run:
+    name: str
+    dir: Path
+    recipe: Path
+    overrides: dict[str, Any]
+    wall_s: float
+
+    @property
+    def steps(self) -> int:
+        return int(self.overrides.get("run.steps", 6))
+
+    def where(self) -> str:
+        return f"(run {self.name} in {self.dir})"
+
+
+class Runs:
+    """Runs shared by the tests of a module (a module-scoped fixture holds one): each named run
+    (`recipes`: name -> write_recipe overrides) is made on first use; a failed run fails every
+    test that needs it with the same message."""
+
+    def __init__(self, root: Path, model: Path, train: Path, recipes: Mapping[str, dict[str, Any]]) -> None:
+        self.root, self.model, self.train, self.recipes = root, model, train, recipes
+        self._done: dict[str, Run | str] = {}
+
+    def get(self, name: str) -> Run:
+        if name not in self._done:
+            ov = self.recipes[name]
+            d = self.root / name
+            d.mkdir(parents=True, exist_ok=True)
+            recipe = write_recipe(d, self.model, self.train, ov)
+            try:
+                res = run_recipe(recipe, d / "run")
+            except pytest.fail.Exception as e:
+                self._done[name] = f"run {name} failed: {e}"
+            else:
+                self._done[name] = Run(name, d / "run", recipe, ov, res.wall_s)  # type: ignore[attr-defined]
+                print(f"\n[e2e] run {name}: {res.wall_s:.0f}s")  # type: ignore[attr-defined]
+        got = self._done[name]
+        if isinstance(got, str):
+            pytest.fail(got, pytrace=False)
+        return got
+
+
 # ---------------------------------------------------------------- reading a run directory
 
 
@@ -331,12 +377,16 @@ def group_rows(run_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def pool_stats(run_dir: Path) -> dict[str, Any]:
-    """`streamrl pool stats RUN_DIR --json` (exit code 0 = ledger balanced, 3 = not)."""
-    res = subprocess.run(streamrl_cmd(["pool", "stats", str(run_dir), "--json"]), cwd=REPO, env=child_env(),
-                         capture_output=True, text=True, timeout=180)
-    assert res.returncode in (0, 3), f"pool stats failed ({res.returncode}):\n{tail(res.stderr)}"
-    stats = json.loads(res.stdout)
-    stats["_exit_code"] = res.returncode
+    """`streamrl pool stats RUN_DIR --json` (exit code 0 = ledger balanced, 3 = not), run by the CLI's
+    `main` in this process: a process of its own per check cost CI 3-5 s of CPU each, ~35 times."""
+    from streamrl.tools.cli import main as cli_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(["pool", "stats", str(run_dir), "--json"])
+    assert code in (0, 3), f"pool stats failed ({code}):\n{tail(err.getvalue())}"
+    stats = json.loads(out.getvalue())
+    stats["_exit_code"] = code
     return stats
 
 

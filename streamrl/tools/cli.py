@@ -570,7 +570,14 @@ def _as_of(pool: Any, args: argparse.Namespace) -> Any:
 
 
 def _pool_cmd(args: argparse.Namespace) -> int:
-    pool = _as_of(open_pool(args.run_dir), args)
+    pool = open_pool(args.run_dir)
+    try:  # closed: `main` also runs in other programs' processes (the tests' ledger checks)
+        return _pool_subcommand(_as_of(pool, args), args)
+    finally:
+        pool.close()
+
+
+def _pool_subcommand(pool: Any, args: argparse.Namespace) -> int:
     if args.pool_cmd == "stats":
         stats = pi.pool_stats(pool)
         if getattr(pool, "at", None) is not None:
