@@ -71,52 +71,9 @@ RUN_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
-class Run:
-    name: str
-    dir: Path
-    recipe: Path
-    overrides: dict[str, Any]
-    wall_s: float
-
-    @property
-    def steps(self) -> int:
-        return int(self.overrides.get("run.steps", 6))
-
-    def where(self) -> str:
-        return f"(run {self.name} in {self.dir})"
-
-
-class Runs:
-    """Each named run is made once per module, on first use; a failed run fails every test that
-    needs it with the same message."""
-
-    def __init__(self, root: Path, model: Path, train: Path) -> None:
-        self.root, self.model, self.train = root, model, train
-        self._done: dict[str, Run | str] = {}
-
-    def get(self, name: str) -> Run:
-        if name not in self._done:
-            ov = RUN_OVERRIDES[name]
-            d = self.root / name
-            d.mkdir(parents=True, exist_ok=True)
-            recipe = sk.write_recipe(d, self.model, self.train, ov)
-            try:
-                res = sk.run_recipe(recipe, d / "run")
-            except pytest.fail.Exception as e:
-                self._done[name] = f"run {name} failed: {e}"
-            else:
-                self._done[name] = Run(name, d / "run", recipe, ov, res.wall_s)  # type: ignore[attr-defined]
-                print(f"\n[e2e] run {name}: {res.wall_s:.0f}s")  # type: ignore[attr-defined]
-        got = self._done[name]
-        if isinstance(got, str):
-            pytest.fail(got, pytrace=False)
-        return got
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, task_data: dict[str, Path]) -> Runs:  # noqa: F811
-    return Runs(tmp_path_factory.mktemp("e2e-runs"), tiny_model, task_data["train"])
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, task_data: dict[str, Path]) -> sk.Runs:  # noqa: F811
+    return sk.Runs(tmp_path_factory.mktemp("e2e-runs"), tiny_model, task_data["train"], RUN_OVERRIDES)
 
 
 def bad_dataset(path: Path, train: Path) -> dict[str, int]:
@@ -160,7 +117,7 @@ def test_malformed_dataset_fails_before_anything_starts(tmp_path: Path, tiny_mod
 
 @pytest.mark.parametrize("eta,name", [(1, "eta1_in_place"), (4, "eta4_abort_resume"), (1, "eta1_finish_old")],
                          ids=["eta1", "eta4", "finish_old"])
-def test_staleness_is_never_exceeded(runs: Runs, eta: int, name: str) -> None:
+def test_staleness_is_never_exceeded(runs: sk.Runs, eta: int, name: str) -> None:
     run = runs.get(name)
     where = run.where()
 
@@ -199,7 +156,7 @@ def test_staleness_is_never_exceeded(runs: Runs, eta: int, name: str) -> None:
     assert max(int(k) for k in stats["staleness_histogram"]) <= eta, stats["staleness_histogram"]
 
 
-def test_over_sampling_streams_to_the_end(runs: Runs) -> None:
+def test_over_sampling_streams_to_the_end(runs: sk.Runs) -> None:
     """`rollout.over_sampling: 1.5`: 3 groups claimed a step, 2 trained on. Admission grows by what
     a step claims (it grew by groups_per_step and the run hung at step 4), and the run admits
     exactly what its steps claim."""
@@ -233,7 +190,7 @@ def _tiles(spans: list[tuple[int, int, int]], n: int) -> bool:
 
 @pytest.mark.parametrize("policy,name", [("abort_resume", "eta4_abort_resume"), ("in_place", "eta1_in_place"),
                                          ("finish_old", "eta1_finish_old")])
-def test_partial_rollouts_keep_exact_logprobs_per_version(runs: Runs, tiny_model: Path,  # noqa: F811
+def test_partial_rollouts_keep_exact_logprobs_per_version(runs: sk.Runs, tiny_model: Path,  # noqa: F811
                                                           policy: str, name: str) -> None:
     run = runs.get(name)
     where = run.where()
@@ -553,7 +510,7 @@ def test_running_out_of_prompts_ends_the_run_with_a_reason(tmp_path: Path, tiny_
 
 
 @pytest.mark.parametrize("mode,bound", [("lockstep", 0), ("one_step_off", 1)])
-def test_lockstep_and_one_step_off_modes(runs: Runs, mode: str, bound: int) -> None:
+def test_lockstep_and_one_step_off_modes(runs: sk.Runs, mode: str, bound: int) -> None:
     run = runs.get(mode)
     where = run.where()
     metrics = sk.read_metrics(run.dir)
