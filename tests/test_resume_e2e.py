@@ -1,5 +1,5 @@
 """Lossless resume: a streaming run is SIGKILLed as a whole (every process stopped, then killed)
-at a chosen moment, or stopped with Ctrl-C, `streamrl run --resume` finishes it, and the pool proves that nothing was
+at a chosen moment (and once resumed, stopped with Ctrl-C), `streamrl run --resume` finishes it, and the pool proves that nothing was
 lost or trained on twice, and that groups saved as `partial` before the kill were continued
 (their version spans start before the kill and end after it).
 
@@ -59,17 +59,42 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
         time.sleep(0.2)
 
 
+def _resume_and_interrupt(run_dir: Path, io: Path) -> None:
+    """`streamrl run --resume`, stopped with Ctrl-C once it has trained two steps (three or more are left): it
+    stops by itself, without waiting for its groups in flight, says how to resume, and leaves no process behind."""
+    logged = len(read_metrics(run_dir))
+    proc = start_streamrl(["run", "--resume", str(run_dir), "--quiet"], io)
+    _wait_for(lambda: len(read_metrics(run_dir)) >= logged + 2, "two steps of the resumed run", proc, run_dir)
+    os.kill(proc.pid, signal.SIGINT)
+    try:
+        code = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        power_off(proc, run_dir)
+        pytest.fail("the run did not stop within 90 s of SIGINT\n" + describe_run(run_dir))
+    assert code == 130, f"exit {code} (0: the run had finished before the SIGINT: nothing to test)"
+    assert f"streamrl run --resume {run_dir}" in run_log(run_dir)
+    t0 = time.monotonic()
+    while run_processes(run_dir) and time.monotonic() - t0 < 20:
+        time.sleep(0.5)
+    assert not run_processes(run_dir), "processes of the interrupted run are left behind"
+
+
 # publish:4-s3-moe freezes in step 3's publish: the checkpoint "after step 2" usually holds step 3 (trained
 # meanwhile); the pool on a local S3-compatible server (benchmarks/_s3.py, issue 17), the model a tiny
 # Qwen3-MoE with expert parallelism 2 and routing replay: the interrupted groups' routed experts are
 # stitched across the kill and every step replays exactly. The same moment with a local pool, and with S3
 # on a dense model, were cases of their own until CI neared 30 minutes: the other moments keep the pool on
 # local disk and a dense model.
-@pytest.mark.parametrize("moment", ["checkpoint.files:2", "random-tp2", "sigint", "publish:4-s3-moe"])
+#
+# -sigint: the resumed run is then stopped with Ctrl-C and resumed again (its own case until CI neared 30
+# minutes: a stop of its own, at step 3 of a fresh run, took a run, a resume and a replay).
+@pytest.mark.parametrize("moment", ["checkpoint.files:2-sigint", "random-tp2", "publish:4-s3-moe"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str, request: pytest.FixtureRequest) -> None:
     run_dir = tmp_path / "run"
     s3 = {}
+    then_sigint = moment.endswith("-sigint")
+    moment = moment.removesuffix("-sigint")
     moe = moment.endswith("-moe")
     if moe:
         tiny_model = moe_model_dirs(tmp_path / "models", [0])[0]
@@ -88,11 +113,9 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         "rollout.max_new_tokens": 64, "rollout.groups_per_step": 3, "engines.max_running": 1,
         "engines.weight_sync": "distributed", **({"learner.parallel.tp": 2} if moment.endswith("tp2") else {}),
         **({"learner.parallel.dp": 2, "learner.parallel.ep": 2} if moe else {}), **s3})
-    env = {} if moment.startswith("random") or moment == "sigint" else {"STREAMRL_FREEZE_AT": moment}
+    env = {} if moment.startswith("random") else {"STREAMRL_FREEZE_AT": moment}
     proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
-    if moment == "sigint":
-        _wait_for(lambda: len(read_metrics(run_dir)) >= 3, "3 steps", proc, run_dir)
-    elif moment.startswith("random"):
+    if moment.startswith("random"):
         _wait_for(lambda: len(read_metrics(run_dir)) >= 4, "4 steps", proc, run_dir)
         time.sleep(random.Random().uniform(0.0, 2.0))
     else:
@@ -107,33 +130,21 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
                                    max((sp.version for s in g.samples for sp in s.spans), default=None))
                       for g in pool_groups(run_dir, "status = 'partial'")}
     steps_before = {m["step"] for m in read_metrics(run_dir)}
-    if moment == "sigint":  # Ctrl-C: the run stops by itself, without waiting for its groups in flight
-        os.kill(proc.pid, signal.SIGINT)
-        try:
-            assert proc.wait(90) == 130
-        except subprocess.TimeoutExpired:
-            power_off(proc, run_dir)
-            pytest.fail("the run did not stop within 90 s of SIGINT\n" + describe_run(run_dir))
-        assert len(read_metrics(run_dir)) < STEPS, "the run had finished before the SIGINT: nothing to test"
-        assert f"streamrl run --resume {run_dir}" in run_log(run_dir)
-        t0 = time.monotonic()
-        while run_processes(run_dir) and time.monotonic() - t0 < 20:
-            time.sleep(0.5)
-        assert not run_processes(run_dir), "processes of the interrupted run are left behind"
-    else:
-        killed = power_off(proc, run_dir)
-        assert killed >= 5, f"only {killed} processes killed: the run's Ray/engine processes were not found"
+    killed = power_off(proc, run_dir)
+    assert killed >= 5, f"only {killed} processes killed: the run's Ray/engine processes were not found"
     if moment.startswith("publish"):
         assert partial_before, "engines paused in abort mode: interrupted groups should have been saved as partial"
     if moment.startswith("checkpoint"):
         assert list((run_dir / "checkpoints").glob(".tmp-*")), "the kill should leave a half-written checkpoint"
 
+    if then_sigint:
+        _resume_and_interrupt(run_dir, tmp_path / "io2")
     res = run_streamrl(["run", "--resume", str(run_dir), "--quiet"], run_dir=run_dir)
     assert "resuming" in run_log(run_dir)
 
     # Every step trained exactly once in the final lineage, versions 1..STEPS, in order.
     resumed = read_events(run_dir, "run_resumed")
-    assert len(resumed) == 1
+    assert len(resumed) == 1 + then_sigint
     ck = resumed[0]["checkpoint_step"]
     if moment.startswith("checkpoint"):  # the first checkpoint (after step 2, or 3 if that step trained meanwhile)
         assert ck in (EVERY - 1, EVERY), "the half-written second checkpoint must not be used"
