@@ -59,12 +59,14 @@ def _wait_for(cond, what: str, proc, run_dir: Path, timeout_s: float = RUN_TIMEO
         time.sleep(0.2)
 
 
-def _resume_and_interrupt(run_dir: Path, io: Path) -> None:
-    """`streamrl run --resume`, stopped with Ctrl-C once it has trained two steps (three or more are left): it
-    stops by itself, without waiting for its groups in flight, says how to resume, and leaves no process behind."""
-    logged = len(read_metrics(run_dir))
-    proc = start_streamrl(["run", "--resume", str(run_dir), "--quiet"], io)
-    _wait_for(lambda: len(read_metrics(run_dir)) >= logged + 2, "two steps of the resumed run", proc, run_dir)
+def _resume_and_interrupt(run_dir: Path, io: Path, steps: int) -> None:
+    """`streamrl run --resume RUN_DIR run.steps=STEPS` (longer than the run was), stopped with Ctrl-C once it
+    trains past the run's old end (steps it trains in its own loop; three are left): it stops by itself, without
+    waiting for its groups in flight, says how to resume, and leaves no process behind. (The steps a resume
+    trains again from the pool while it starts keep their old metrics rows: new rows mean new steps.)"""
+    proc = start_streamrl(["run", "--resume", str(run_dir), f"run.steps={steps}", "--quiet"], io)
+    _wait_for(lambda: any(m["step"] >= STEPS for m in read_metrics(run_dir)), f"step {STEPS} of the resumed run",
+              proc, run_dir)
     os.kill(proc.pid, signal.SIGINT)
     try:
         code = proc.wait(90)
@@ -72,6 +74,7 @@ def _resume_and_interrupt(run_dir: Path, io: Path) -> None:
         power_off(proc, run_dir)
         pytest.fail("the run did not stop within 90 s of SIGINT\n" + describe_run(run_dir))
     assert code == 130, f"exit {code} (0: the run had finished before the SIGINT: nothing to test)"
+    assert max(m["step"] for m in read_metrics(run_dir)) < steps - 1, "the run had trained every step: nothing to test"
     assert f"streamrl run --resume {run_dir}" in run_log(run_dir)
     t0 = time.monotonic()
     while run_processes(run_dir) and time.monotonic() - t0 < 20:
@@ -86,8 +89,8 @@ def _resume_and_interrupt(run_dir: Path, io: Path) -> None:
 # on a dense model, were cases of their own until CI neared 30 minutes: the other moments keep the pool on
 # local disk and a dense model.
 #
-# -sigint: the resumed run is then stopped with Ctrl-C and resumed again (its own case until CI neared 30
-# minutes: a stop of its own, at step 3 of a fresh run, took a run, a resume and a replay).
+# -sigint: resumed to train 4 more steps, it is stopped with Ctrl-C and resumed again (its own case until CI
+# neared 30 minutes: a stop of its own, at step 3 of a fresh run, took a run, a resume and a replay).
 @pytest.mark.parametrize("moment", ["checkpoint.files:2-sigint", "random-tp2", "publish:4-s3-moe"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str, request: pytest.FixtureRequest) -> None:
@@ -137,12 +140,13 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     if moment.startswith("checkpoint"):
         assert list((run_dir / "checkpoints").glob(".tmp-*")), "the kill should leave a half-written checkpoint"
 
+    steps = STEPS + 4 if then_sigint else STEPS
     if then_sigint:
-        _resume_and_interrupt(run_dir, tmp_path / "io2")
+        _resume_and_interrupt(run_dir, tmp_path / "io2", steps)
     res = run_streamrl(["run", "--resume", str(run_dir), "--quiet"], run_dir=run_dir)
     assert "resuming" in run_log(run_dir)
 
-    # Every step trained exactly once in the final lineage, versions 1..STEPS, in order.
+    # Every step trained exactly once in the final lineage, versions 1..steps, in order.
     resumed = read_events(run_dir, "run_resumed")
     assert len(resumed) == 1 + then_sigint
     ck = resumed[0]["checkpoint_step"]
@@ -151,8 +155,8 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
     last = {}
     for m in read_metrics(run_dir):
         last[m["step"]] = m
-    assert sorted(last) == list(range(STEPS)), res.stdout
-    assert [last[s]["policy_version"] for s in range(STEPS)] == list(range(1, STEPS + 1))
+    assert sorted(last) == list(range(steps)), res.stdout
+    assert [last[s]["policy_version"] for s in range(steps)] == list(range(1, steps + 1))
     assert steps_before <= set(last)
     if moment.startswith("publish") and ck not in steps_before:
         # Frozen in step ck's publish, before its metrics were logged, with a checkpoint that caught step ck
@@ -168,17 +172,17 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         assert stats["uri"] == s3["pool.uri"] and not (run_dir / "pool").exists(), stats["uri"]
         q = run_streamrl(["pool", "query", str(run_dir), "SELECT count(DISTINCT group_id) AS n FROM pool "
                           "WHERE status = 'consumed'", "--json"])
-        assert json.loads(q.stdout) == [{"n": STEPS * 3}], q.stdout
+        assert json.loads(q.stdout) == [{"n": steps * 3}], q.stdout
     ledger = stats["ledger"]
     assert ledger["lost"] == 0 and ledger["duplicated"] == 0 and ledger["unadmitted"] == 0, ledger
     assert ledger["in_flight"] == 0 and ledger["partial"] == 0, ledger
-    assert ledger["consumed"] == STEPS * 3, ledger
+    assert ledger["consumed"] == steps * 3, ledger
 
     # The resumed lineage is the run's: replaying every step from the starting weights gives the
     # losses and grad norms logged before and after the kill, exactly.
-    res = run_streamrl(["replay", str(run_dir), "--steps", f"0-{STEPS - 1}", "--json"])
+    res = run_streamrl(["replay", str(run_dir), "--steps", f"0-{steps - 1}", "--json"])
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert all(r["identical"] for r in rows) and len(rows) == STEPS, [r for r in rows if not r["identical"]]
+    assert all(r["identical"] for r in rows) and len(rows) == steps, [r for r in rows if not r["identical"]]
 
     # Groups consumed: each by one step; and every step's batch is the groups the pool says.
     groups = {g.group_id: g for g in pool_groups(run_dir)}
