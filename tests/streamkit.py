@@ -321,9 +321,10 @@ class Runs:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run's log, complete lines only (streamrl.runtime.runlog.read_jsonl: tests read live runs too)."""
+    from streamrl.runtime.runlog import read_jsonl as read_run_log
+
+    return read_run_log(path)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -94,3 +94,19 @@ def test_cli_run_into_an_existing_run_exits_2_before_anything_starts(tmp_path: P
     assert main(["run", "--resume", str(d), "--overwrite"]) == 2  # --overwrite is for new runs only
     assert "--overwrite" in capsys.readouterr().err
     assert os.path.exists(d / "metrics.jsonl")
+
+
+def test_a_log_line_still_being_written_is_not_read(tmp_path: Path) -> None:
+    """metrics.jsonl while the run appends: a reader that catches half of a row's `write` gets the
+    complete rows only (the half row is not a record yet), and the row once it is whole."""
+    from streamrl.runtime.runlog import RunLog, read_jsonl
+
+    log = RunLog(tmp_path, echo=False)
+    log.metrics({"step": 0, "loss": 0.5})
+    path = tmp_path / "metrics.jsonl"
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"step": 1, "lo')
+    assert [m["step"] for m in read_jsonl(path)] == [0]
+    path.write_bytes(whole + b'{"step": 1, "loss": 0.25}\n')
+    assert [m["step"] for m in read_jsonl(path)] == [0, 1]
+    assert read_jsonl(tmp_path / "eval.jsonl") == []

@@ -76,7 +76,11 @@ class RunLog:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a log the run may still be appending to. A last line without its newline is a
+    write in progress (a reader can see part of one `write`; CI of 2026-11-29 read half a metrics row)
+    or one a crash cut short: it is not a record yet, and is left out."""
     p = Path(path)
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    text = p.read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
