@@ -249,3 +249,27 @@ def test_a_run_claiming_more_groups_than_its_prompts_make_is_refused(overrides: 
     with pytest.raises(RunFailed, match=r"10 usable prompts x data.epochs 3 = 30 groups, fewer than run.steps 11 x 3 "
                                         r"groups a step = 33: raise data.epochs to 4 or more, or lower run.steps to 10"):
         check_enough_prompts(r, 10)
+
+
+def test_generated_data_is_written_again_when_its_args_change(tmp_path: Path):
+    from streamrl.recipe.schema import FnRef
+    from streamrl.runtime.inputs import generate_data
+    from streamrl.runtime.runlog import RunLog
+
+    log, train = RunLog(tmp_path / "log", echo=False), tmp_path / "data" / "train.jsonl"
+    gen = FnRef(fn="streamrl.plugins.tasks:write_task", args={"seed": 0, "n_train": 5, "n_eval": 2, "n_sft": 2})
+    generate_data(gen, train, log)
+    first = train.read_text()
+    assert len(first.splitlines()) == 5
+    assert json.loads((train.parent / ".generated.json").read_text()) == {"fn": gen.fn, "args": gen.args}
+    train.write_text(first + first)  # untouched while fn and args are the same
+    generate_data(gen, train, log)
+    assert train.read_text() == first + first
+    generate_data(FnRef(fn=gen.fn, args={**gen.args, "seed": 1}), train, log)
+    assert len(train.read_text().splitlines()) == 5 and train.read_text() != first
+    # files that carry no stamp (by hand, or an older StreamRL) are used as they are, with a warning
+    (train.parent / ".generated.json").unlink()
+    train.write_text("mine\n")
+    generate_data(gen, train, log)
+    assert train.read_text() == "mine\n"
+    assert "has no .generated.json" in (tmp_path / "log" / "run.log").read_text()

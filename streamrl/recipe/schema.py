@@ -132,7 +132,9 @@ class DataCfg(_Cfg):
     # what held-out accuracy averages: the reward, or one of its components (e.g. `exact` when the
     # reward gives partial credit, so evaluations stay comparable across reward shapings)
     eval_metric: str = "reward"
-    generate: FnRef | None = None  # called as fn(out_dir=<dir of path>, **args) when `path` is missing
+    # called as fn(out_dir=<dir of path>, **args) when `path` is missing, or when the args or fn
+    # differ from those its files were written with (a stamp, .generated.json, beside them)
+    generate: FnRef | None = None
 
 
 class SftCfg(_Cfg):

@@ -3,6 +3,7 @@ datasets it checks, the SFT rows and the held-out prompts (also used by replay a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ from streamrl.connectors.megatron.model_kit import init_model_dir
 from streamrl.core.staleness import claimed_per_step
 from streamrl.plugins.data import DataError, PromptSource
 from streamrl.recipe import Recipe, resolve_fn
+from streamrl.recipe.schema import FnRef
 from streamrl.runtime import RunFailed
 from streamrl.runtime.rollout import encode_prompt
 from streamrl.runtime.runlog import RunLog
@@ -20,8 +22,8 @@ def prepare_inputs(r: Recipe, log: RunLog) -> int:
     the number of usable training prompts (for `check_enough_prompts`)."""
     if r.model.init is not None and not (Path(r.model.path) / "config.json").exists():
         init_model_dir(r.model.path, r.model.init.preset, r.model.init.seed)
-    if r.data.generate is not None and not Path(r.data.path).exists():
-        resolve_fn(r.data.generate.fn)(out_dir=str(Path(r.data.path).parent), **r.data.generate.args)
+    if r.data.generate is not None:
+        generate_data(r.data.generate, Path(r.data.path), log)
     for what, path in (("model.path", Path(r.model.path) / "config.json"), ("data.path", Path(r.data.path)),
                        ("data.eval_path", Path(r.data.eval_path) if r.data.eval_path else None),
                        ("sft.path", Path(r.sft.path) if r.sft else None)):
@@ -46,6 +48,27 @@ def prepare_inputs(r: Recipe, log: RunLog) -> int:
             log.warn(f"skipped a malformed row: {msg}")
         prompts = len(src) if path == d.path else prompts
     return prompts
+
+
+GENERATED = ".generated.json"  # beside the files: the data.generate fn and args that wrote them
+
+
+def generate_data(gen: FnRef, path: Path, log: RunLog) -> None:
+    """Call data.generate when `path` is missing, or when the files there were written by another
+    fn or other args (a recipe whose task changed must not train on the old files). Files without
+    the stamp (written by hand, or by StreamRL before 2026-11-29) are never overwritten."""
+    stamp, want = path.parent / GENERATED, {"fn": gen.fn, "args": gen.args}
+    have = json.loads(stamp.read_text()) if stamp.exists() else None
+    if path.exists():
+        if have is None:
+            log.warn(f"data.generate: {path.parent} has no {GENERATED}, so it may not be what {gen.fn} "
+                     f"with {gen.args} writes; using it as it is (delete the directory to have it written)")
+            return
+        if have == want:
+            return
+        log.info(f"data.generate: {path.parent} was written with {have}; writing it again with {want}")
+    resolve_fn(gen.fn)(out_dir=str(path.parent), **gen.args)
+    stamp.write_text(json.dumps(want) + "\n")
 
 
 def check_enough_prompts(r: Recipe, prompts: int) -> None:
