@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from streamrl.plugins.tasks import (countdown_chain, countdown_problem, countdown_reward, countdown_text,
-                                    write_longtail_task)
+                                    teacher_chain, write_longtail_task)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -118,6 +118,26 @@ def test_same_seed_same_files_other_seed_other_files(tmp_path: Path, task: dict[
     assert all(again[k].read_text() == task[k].read_text() for k in task)
     other = write_longtail_task(tmp_path / "b", seed=1, n_train=50, n_eval=8, n_sft=50)
     assert _rows(other["train"])[:20] != _rows(task["train"])[:20]
+
+
+def test_teacher_that_forgets_borrows():
+    rng = random.Random(0)
+    assert teacher_chain(rng, 957, 7, slip_rate=0.0) == countdown_chain(957, 7)
+    # Always forgetting: every borrow keeps the tens (950-7 -> 953), so the chain never leaves the
+    # hundred and stops one step after the exact chain's 9.
+    assert teacher_chain(rng, 957, 7, 0.0, borrow_slip_rate=1.0) == [950, 953, 956, 959, 952, 955, 958, 951, 954, 957]
+    # 312-1: 13 exact steps; 310-1 forgets -> 319, and round again until the cap of 14
+    assert teacher_chain(rng, 312, 1, 0.0, borrow_slip_rate=1.0) == [311, 310, 319, 318, 317, 316, 315, 314, 313, 312,
+                                                                     311, 310, 319, 318]
+    # At 0.6 a borrow step is forgotten ~60% of the time; a step without a borrow is never touched.
+    forgot, borrows = 0, 0
+    for _ in range(2000):
+        a, d = countdown_problem(rng, 2, 24)
+        x, y = a, teacher_chain(rng, a, d, 0.0, borrow_slip_rate=0.6)[0]
+        borrows += x % 10 < d
+        forgot += y == x - d + 10
+        assert y in (x - d, x - d + 10) and (x % 10 < d or y == x - d)
+    assert 0.55 < forgot / borrows < 0.65
 
 
 def test_bad_step_range_is_refused():

@@ -156,15 +156,21 @@ def countdown_problem(rng: random.Random, min_steps: int = 2, max_steps: int = M
     return rng.randint(1, 9) * 100 + (n - 1) * d + r, d
 
 
-def teacher_chain(rng: random.Random, a: int, d: int, slip_rate: float) -> list[int]:
+def teacher_chain(rng: random.Random, a: int, d: int, slip_rate: float,
+                  borrow_slip_rate: float = 0.0) -> list[int]:
     """The noisy teacher's chain: each step's result is off by one of SLIPS with probability
     `slip_rate`, and the chain goes on from the value written (so a long chain is more often wrong).
-    It stops where the exact chain would, or after one step more (a slip can keep it in the hundred)."""
+    With `borrow_slip_rate` p the teacher also has a misconception: where the step borrows (x's units
+    digit < d) it forgets to lower the tens with probability p ("952-7=955"). Above 0.5 its most
+    likely step is wrong exactly where a borrow is due. It stops where the exact chain would, or
+    after one step more (a slip can keep it in the hundred)."""
     floor, out, steps = a // 100 * 100, [], len(countdown_chain(a, d)) + 1
     x = a
     while (not out or out[-1] >= floor) and len(out) < steps:
         y = x - d
-        if rng.random() < slip_rate:
+        if borrow_slip_rate and x % 10 < d and rng.random() < borrow_slip_rate:
+            y += 10
+        elif rng.random() < slip_rate:
             y += rng.choice(SLIPS)
         out.append(y)
         x = y
@@ -198,12 +204,12 @@ def countdown_reward(response: str, label: str, partial_credit: float = 0.0, **_
 
 def write_longtail_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000, n_eval: int = 128,
                         n_sft: int = 6000, slip_rate: float = 0.1, min_steps: int = 2,
-                        max_steps: int = MAX_STEPS) -> dict[str, Path]:
+                        max_steps: int = MAX_STEPS, borrow_slip_rate: float = 0.0) -> dict[str, Path]:
     """Write train/eval/sft.jsonl for the countdown task (same keys as `write_task`; the label is
     the exact chain, scored by `countdown_reward`). The splits are disjoint by prompt (each prompt
     belongs to one split by a hash of its text); within a split prompts are drawn i.i.d., so a
     short-chain prompt may repeat (there are only ~400 two-step problems). SFT responses come from
-    the noisy teacher (`teacher_chain`). Deterministic for a seed."""
+    the noisy teacher (`teacher_chain`, with `slip_rate` and `borrow_slip_rate`). Deterministic for a seed."""
     rng, teacher = random.Random(f"longtail-{seed}"), random.Random(f"longtail-teacher-{seed}")
     want = {"eval": n_eval, "sft": n_sft, "train": n_train}
     rows: dict[str, list[dict[str, Any]]] = {k: [] for k in want}
@@ -219,7 +225,8 @@ def write_longtail_task(out_dir: str | Path, seed: int = 0, n_train: int = 3000,
         i = len(rows[split])
         if split == "sft":
             rows[split].append({"id": f"sft-{i}", "prompt": prompt,
-                                "response": countdown_text(a, d, teacher_chain(teacher, a, d, slip_rate))})
+                                "response": countdown_text(a, d, teacher_chain(teacher, a, d, slip_rate,
+                                                                                   borrow_slip_rate))})
         else:
             rows[split].append({"id": f"{split}-{i}", "prompt": prompt,
                                 "label": countdown_text(a, d, countdown_chain(a, d))})
