@@ -6,7 +6,10 @@ benchmarks/*.py that no smoke form covers fails `test_every_benchmark_has_a_smok
 import circle (tests/test_layout.py checks that, with the packages).
 
 Timing figures are never asserted (benchmarks/README.md: measurements, not tests); what is asserted is that
-the run finished and its correctness checks (ledgers, parity, pushes verified) held."""
+the run finished and its correctness checks (ledgers, parity, pushes verified) held.
+
+Long file: every benchmark's smoke form and its check sit in one table (SMOKES), so that a new script is
+covered in one place."""
 
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from benchmarks import background_eval, length_schedule, off_policy, time_to_accuracy
-from streamrl.connectors.megatron.model_kit import init_model_dir
+from streamrl.connectors.megatron.model_kit import build_tokenizer, init_model_dir
+from streamrl.core.types import Sample, SampleGroup, VersionSpan
 from streamrl.plugins.tasks import write_task
 from streamrl.pools import LancePool
 from streamrl.runtime.runlog import read_jsonl
@@ -172,6 +177,30 @@ def tiny_quickstart(root: Path, preset: str = "tiny") -> list[str]:
             "rollout.groups_per_step=2", "rollout.n_samples=2"]
 
 
+def _countdown_pool(root: Path) -> list[str]:
+    """A run directory whose pool holds two groups of long-tail answers to "312-5=" (steps 307 borrow,
+    302 not, 297 borrow), by policy versions 0 and 2; the check below has their rates by hand."""
+    tok = build_tokenizer()
+    ids = lambda text: np.array(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int32)  # noqa: E731
+    answers = {0: ["307;307-5=302;302-5=297", "307;307-5=303"],  # borrow, other: right; other: wrong
+               2: ["308", "307;307-5=302;302-5=298"]}            # borrow wrong; borrow, other right, borrow wrong
+    groups = [SampleGroup(group_id=f"g{v}", prompt_id="p", prompt_tokens=ids("312-5="), producer_id="t", samples=[
+        Sample(index=i, response_tokens=ids(a), rollout_logprobs=np.zeros(len(ids(a)), np.float32),
+               spans=[VersionSpan(v, 0, len(ids(a)))], reward=0.0, finish_reason="stop")
+        for i, a in enumerate(texts)]) for v, texts in answers.items()]
+    with LancePool(str(root / "run" / "pool"), create=True) as pool:
+        pool.append(groups)
+    return [str(root / "run"), "--bucket", "2"]
+
+
+def _longtail_steps(d: dict[str, Any]) -> None:
+    first, second = d["buckets"]
+    assert first["versions"] == [0, 1] and second["versions"] == [2, 3], d
+    assert (first["borrow_steps"], first["borrow_right"], first["other_steps"], first["other_right"]) == (3, 1.0, 2, 0.5)
+    assert first["opening_right"] == 1.0 and second["opening_right"] == 0.5
+    assert (second["borrow_steps"], second["borrow_right"], second["other_right"]) == (3, 0.3333, 1.0)
+
+
 def _learner_parallel(d: dict[str, Any]) -> None:
     one = d["parallel"]["tiny"]["1"]
     assert one["world_size"] == 1 and one["state_bytes_per_rank_max"] > 0 and len(one["step_s_by_round"]) == 1
@@ -212,6 +241,7 @@ SMOKES: dict[str, Smoke] = {
     "broadcast": Smoke(("broadcast.py", "--presets", "tiny", "--engines", "1", "--repeats", "1",
                         "--memcopy-repeats", "1", "--lora"), _broadcast, covers=("broadcast_lora",)),
     "learner_step": Smoke(("learner_step.py", *TINY_BATCH), _learner_step),
+    "longtail_steps": Smoke(("longtail_steps.py",), _longtail_steps, prepare=_countdown_pool),
     # Every check of the GPU machine's run that the CPU can do (~25 s); gpu_check.sh itself: test above.
     "gpu_check": Smoke(("gpu_check.py", "--cpu", "--steps", "1", "--new-tokens", "4"), _gpu_check),
     # learner_parallel.py is each rank's process, started by learner_step.py --parallel.

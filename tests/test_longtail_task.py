@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamrl.plugins.tasks import (countdown_chain, countdown_problem, countdown_reward, countdown_text,
-                                    teacher_chain, write_longtail_task)
+from streamrl.plugins.tasks import (countdown_chain, countdown_problem, countdown_reward, countdown_steps,
+                                    countdown_text, teacher_chain, write_longtail_task)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -143,3 +143,16 @@ def test_teacher_that_forgets_borrows():
 def test_bad_step_range_is_refused():
     with pytest.raises(ValueError, match="min_steps"):
         countdown_problem(random.Random(0), 5, 2)
+
+
+def test_countdown_steps_mark_borrows_and_stop_at_the_first_wrong_step():
+    # 957 950 943 936 929 922 915 908 901 -> 894: a step borrows from a units digit below 7
+    steps = countdown_steps("957-7=", _exact("957-7="))
+    assert [b for b, _ in steps] == [False, True, True, True, False, True, True, False, True]
+    assert all(ok for _, ok in steps)
+    assert countdown_steps("957-7=", "950;950-7=953;953-7=946") == [(False, True), (True, False)]
+    # 312 -> 307 borrows (2 < 5), 307 -> 302 does not; the step past the chain's end is not counted
+    assert countdown_steps("312-5=", "307;307-5=302;302-5=297;297-5=292") == [(True, True), (False, True),
+                                                                              (True, True)]
+    assert countdown_steps("312-5=", "abc") == [(True, False)]
+    assert countdown_steps("312-5=", "307") == [(True, True)]  # stopped short: nothing more counted

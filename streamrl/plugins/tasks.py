@@ -177,6 +177,22 @@ def teacher_chain(rng: random.Random, a: int, d: int, slip_rate: float,
     return out
 
 
+def countdown_steps(prompt: str, response: str) -> list[tuple[bool, bool]]:
+    """(borrows, right) for each step `response` writes for `prompt` ("957-7="), up to and including
+    its first wrong one and up to the exact chain's end. A step borrows when the value it subtracts
+    from has a units digit below d (every chain's last step does). A piece that is not a number is a
+    wrong step. What benchmarks/longtail_steps.py counts."""
+    a, d = (int(x) for x in prompt.strip().rstrip("=").split("-"))
+    floor, x, out = a // 100 * 100, a, []
+    for piece in response.strip().split(";"):
+        written, want = piece.rsplit("=", 1)[-1].strip(), x - d
+        out.append((x % 10 < d, written == str(want)))
+        if not out[-1][1] or want < floor:
+            break
+        x = want
+    return out
+
+
 def countdown_reward(response: str, label: str, partial_credit: float = 0.0, **_: object) -> dict[str, float]:
     """The verifier: 1 when the whole chain is right (every step and where it stops). With
     `partial_credit` w > 0 (reward.args), the reward is (1 - w) * that + w * `prefix`: the share of

@@ -132,8 +132,7 @@ class DataCfg(_Cfg):
     # what held-out accuracy averages: the reward, or one of its components (e.g. `exact` when the
     # reward gives partial credit, so evaluations stay comparable across reward shapings)
     eval_metric: str = "reward"
-    # called as fn(out_dir=<dir of path>, **args) when `path` is missing, or when the args or fn
-    # differ from those its files were written with (a stamp, .generated.json, beside them)
+    # called as fn(out_dir=<dir of path>, **args) when `path` is missing or its .generated.json differs
     generate: FnRef | None = None
 
 
