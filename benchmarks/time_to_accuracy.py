@@ -21,7 +21,10 @@ reach it: linear between the first evaluated version at or above it and the one 
 did). Per mode, the median over runs (null when most runs never reached it), the ratio lockstep / mode,
 and the final accuracy (median, min-max). The JSON carries `time_to_target_s: {mode: s}`,
 `target_accuracy`, `final_accuracy: {mode: ...}`; the PNG (`--png`, default next to `--out` or in the
-work directory) draws every run's curve against seconds and against samples.
+work directory) draws every run's curve against seconds and against samples. `gains: {mode: [per run]}`
+has each run's first -> last evaluation, sampled and greedy, with the larger of the two 95% half-widths
+and whether the gain is over twice it. `--report WORK_DIR` builds all of this again from the run
+directories an earlier invocation left (another `--target` or `--metric`, nothing re-run).
 """
 
 from __future__ import annotations
@@ -66,6 +69,21 @@ def curve(evals: list[dict[str, Any]], samples_per_step: int, metric: str = "acc
     rows = sorted(evals, key=lambda e: e["policy_version"])
     return [{"version": e["policy_version"], "wall_s": e["wall_time_s"], "samples": e["step"] * samples_per_step,
              "accuracy": e[metric], "ci95": e.get(ci_key)} for e in rows]
+
+
+def gains(evals: list[dict[str, Any]]) -> dict[str, dict[str, float | bool]]:
+    """First -> last evaluation of one run, sampled and greedy: the gain, the larger 95% half-width of
+    the two points, and whether the gain is over twice it (what the long-tail recipe must show)."""
+    rows = sorted(evals, key=lambda e: e["policy_version"])
+    out = {}
+    for name, key, ci in (("sampled", "accuracy", "accuracy_ci95"), ("greedy", "greedy_accuracy", "greedy_ci95")):
+        first, last = rows[0], rows[-1]
+        if key not in last:
+            continue
+        half = max(first.get(ci) or 0.0, last.get(ci) or 0.0)
+        out[name] = {"first": first[key], "last": last[key], "gain": last[key] - first[key], "ci95": half,
+                     "over_2x_ci95": last[key] - first[key] > 2 * half}
+    return out
 
 
 def time_to_target(points: list[dict[str, Any]], target: float) -> float | None:
@@ -136,42 +154,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sft-model", help="start every run from this HF directory instead of the recipe's SFT")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--png", help="the curves (default: next to --out, else in the work directory)")
+    ap.add_argument("--report", metavar="WORK_DIR", help="run nothing: report on the runs an earlier invocation left "
+                    "in WORK_DIR (its <mode>-<repeat> directories)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every run")
     a = ap.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
     if bad := [m for m in a.modes if m not in MODES]:
         ap.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
+    if a.report and not Path(a.report).is_dir():
+        ap.error(f"--report: {a.report} is not a directory")
     if a.target is None and "lockstep" not in a.modes:
         ap.error("without lockstep among --modes, give --target")
     return a
 
 
-def main() -> None:
-    a = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     os.chdir(REPO)  # the recipes' relative paths are the checkout's
     load0 = os.getloadavg()[0]
     base = load_recipe(a.recipe, a.overrides)
     steps = a.steps or base.run.steps
     every = a.eval_every or base.run.eval_every or max(1, steps // 6)
-    work, model, sft_s = shared_start(base, "time-to-accuracy-", a.sft_model)
     pin = pinned(a)
     per_step = base.rollout.groups_per_step * base.rollout.n_samples
+    if a.report:
+        work, model, sft_s = Path(a.report), None, None
+    else:
+        work, model, sft_s = shared_start(base, "time-to-accuracy-", a.sft_model)
     runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in a.modes}
+    run_gains: dict[str, list[dict[str, Any]]] = {m: [] for m in a.modes}
     for rep in range(a.repeats):
         for mode in a.modes:  # interleaved, so a drift in the machine's speed touches every mode alike
             label = f"{mode}-{rep}"
-            r = mode_recipe(base, model, work / label, mode, steps, a.engines, pin)
-            r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, eval_every=every, eval_mode=a.eval_mode))
-            log(f"[{label}] {steps} steps, evaluated every {every} ...")
-            asyncio.run(run_async(r, work / label, progress=False))
-            runs[mode].append(curve(read_jsonl(work / label / "eval.jsonl"), per_step, a.metric))
+            if not a.report:
+                r = mode_recipe(base, model, work / label, mode, steps, a.engines, pin)
+                r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, eval_every=every,
+                                                                            eval_mode=a.eval_mode))
+                log(f"[{label}] {steps} steps, evaluated every {every} ...")
+                asyncio.run(run_async(r, work / label, progress=False))
+            evals = read_jsonl(work / label / "eval.jsonl")
+            if not evals:
+                raise SystemExit(f"{work / label}: no evaluations in eval.jsonl (--report needs the directories "
+                                 f"of {a.repeats} repeats of {', '.join(a.modes)})")
+            runs[mode].append(curve(evals, per_step, a.metric))
+            run_gains[mode].append(gains(evals))
             c = runs[mode][-1]
             log(f"[{label}] {a.metric} {c[0]['accuracy']:.3f} -> {c[-1]['accuracy']:.3f} in {c[-1]['wall_s']:.0f}s")
     out: dict[str, Any] = {"benchmark": "time_to_accuracy", "git": git_rev(), "recipe": a.recipe,
                            "overrides": a.overrides, "steps": steps, "eval_every": every, "eval_mode": a.eval_mode,
                            "engines": a.engines, "pinned": pin, "repeats": a.repeats,
-                           "metric": a.metric, "samples_per_step": per_step, "sft_s": sft_s, "sft_model": str(model),
-                           **summarize(runs, a.target), "curves": runs, "work_dir": str(work)}
+                           "metric": a.metric, "samples_per_step": per_step, "sft_s": sft_s,
+                           "sft_model": a.sft_model or (model and str(model)),
+                           **summarize(runs, a.target), "gains": run_gains, "curves": runs, "work_dir": str(work)}
     png = Path(a.png) if a.png else (Path(a.out).with_suffix(".png") if a.out else work / "time_to_accuracy.png")
     plot(runs, out["target_accuracy"], png, f"{a.recipe} ({a.metric}), {a.repeats} runs per mode, {out['git']}")
     out["png"] = str(png)

@@ -370,7 +370,7 @@ def fake_run_dir(root: Path, steps: int = 3) -> tuple[Path, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", REPORT_ONLY)
-def test_report_only_benchmarks(name: str, tmp_path: Path) -> None:
+def test_report_only_benchmarks(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir, summary = fake_run_dir(tmp_path)
     if name == "off_policy":
         # Its per-run report is stream_vs_lockstep's (run for real above) plus the correction's metrics.
@@ -409,6 +409,24 @@ def test_report_only_benchmarks(name: str, tmp_path: Path) -> None:
         assert high["time_to_target_s"] == {"lockstep": None}  # 2 of 3 runs never reached 0.5
         time_to_accuracy.plot({"lockstep": [slow], "stream": [fast]}, 0.4, tmp_path / "tta.png", "smoke")
         assert (tmp_path / "tta.png").stat().st_size > 0
+        rows = [{"policy_version": 0, "accuracy": 0.1, "accuracy_ci95": 0.02, "greedy_accuracy": 0.0, "greedy_ci95": 0.0},
+                {"policy_version": 9, "accuracy": 0.15, "accuracy_ci95": 0.03, "greedy_accuracy": 0.2,
+                 "greedy_ci95": 0.034}]
+        g = time_to_accuracy.gains(rows[::-1])  # in version order whatever the file's
+        assert g["sampled"] == {"first": 0.1, "last": 0.15, "gain": pytest.approx(0.05), "ci95": 0.03,
+                                "over_2x_ci95": False}  # 0.05 is not over 2 x 0.03
+        assert g["greedy"]["gain"] == 0.2 and g["greedy"]["over_2x_ci95"] is True
+        # --report: the same JSON from run directories left before (here: the fake run as two modes' runs)
+        for label in ("lockstep-0", "stream-0"):
+            shutil.copytree(run_dir, tmp_path / "work" / label)
+        monkeypatch.chdir(tmp_path)  # main() works from the checkout
+        time_to_accuracy.main(["--quickstart", "--report", str(tmp_path / "work"), "--repeats", "1",
+                               "--modes", "lockstep,stream", "--out", str(tmp_path / "r.json")])
+        rep = json.loads((tmp_path / "r.json").read_text())
+        assert rep["target_accuracy"] == 0.5 and rep["time_to_target_s"] == {"lockstep": 0.5, "stream": 0.5}
+        assert rep["gains"]["stream"][0]["greedy"]["gain"] == 1.0 and (tmp_path / "r.png").stat().st_size > 0
+        with pytest.raises(SystemExit, match="no evaluations"):
+            time_to_accuracy.main(["--quickstart", "--report", str(tmp_path / "work"), "--repeats", "2"])
     elif name == "length_schedule":
         a = length_schedule.parse_args(["--quick", "--schedules", "fifo,tail_batching"])
         assert a.quick and a.schedules == "fifo,tail_batching" and a.modes == "lockstep,stream"
