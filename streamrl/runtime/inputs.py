@@ -57,7 +57,8 @@ def generate_data(gen: FnRef, path: Path, log: RunLog) -> None:
     """Call data.generate when `path` is missing, or when the files there were written by another
     fn or other args (a recipe whose task changed must not train on the old files). Files without
     the stamp (written by hand, or by StreamRL before 2026-11-29) are never overwritten."""
-    stamp, want = path.parent / GENERATED, {"fn": gen.fn, "args": gen.args}
+    stamp = path.parent / GENERATED
+    want = json.loads(json.dumps({"fn": gen.fn, "args": gen.args}, default=str))  # as it reads back
     have = json.loads(stamp.read_text()) if stamp.exists() else None
     if path.exists():
         if have is None:
