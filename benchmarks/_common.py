@@ -43,6 +43,17 @@ def machine(load0: float, packages: tuple[str, ...]) -> dict[str, Any]:
             "python": platform.python_version(), **{p: version(p) for p in packages}}
 
 
+def cpu_probe(n: int = 3_000_000) -> float:
+    """Seconds a fixed pure-Python loop takes here: a reading of the machine's speed, taken between
+    measurements when nothing else runs. A shared VM's speed drifts with its neighbours' load (the
+    2-core box ran one lockstep run in 273 s and the same run in 443 s half an hour later, its
+    learner step 0.52 s and 0.76 s with nothing beside it), which a load average does not show."""
+    t, x = time.perf_counter(), 0
+    for i in range(n):
+        x += i * i
+    return time.perf_counter() - t
+
+
 def emit(result: dict[str, Any], out: Path | str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)

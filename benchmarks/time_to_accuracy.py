@@ -25,6 +25,8 @@ work directory) draws every run's curve against seconds and against samples. `ga
 has each run's first -> last evaluation, sampled and greedy, with the larger of the two 95% half-widths
 and whether the gain is over twice it. `--report WORK_DIR` builds all of this again from the run
 directories an earlier invocation left (another `--target` or `--metric`, nothing re-run).
+`cpu_probe_s`: before each run, the seconds a fixed single-core loop took (benchmarks/_common.py): the
+machine's own speed drifts (on the 2-core box the same lockstep run took 273 s and then 443 s).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from streamrl.recipe import load_recipe  # noqa: E402
 from streamrl.runtime.run import run_async  # noqa: E402
 from streamrl.runtime.runlog import read_jsonl  # noqa: E402
 
-from benchmarks._common import emit, git_rev, log, machine  # noqa: E402
+from benchmarks._common import cpu_probe, emit, git_rev, log, machine  # noqa: E402
 from benchmarks.stream_vs_lockstep import (  # noqa: E402
     add_placement_args,
     add_recipe_args,
@@ -116,6 +118,10 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]], target: float | None)
     return {"target_accuracy": target,
             "time_to_target_s": ttt, "time_to_target_runs_s": times,
             "speedup_vs_lockstep": {m: (base / t if base and t else None) for m, t in ttt.items()},
+            # per repeat (runs of one repeat ran minutes apart, so a drift in the machine's speed
+            # touches them alike; the medians above mix repeats)
+            "speedup_vs_lockstep_per_repeat": {m: [(b / t if b and t else None) for b, t in
+                                                   zip(times.get("lockstep", []), ts)] for m, ts in times.items()},
             "final_accuracy": {m: statistics.median(v) for m, v in finals.items()},
             "final_accuracy_range": {m: [min(v), max(v)] for m, v in finals.items()}}
 
@@ -183,10 +189,12 @@ def main(argv: list[str] | None = None) -> None:
         work, model, sft_s = shared_start(base, "time-to-accuracy-", a.sft_model)
     runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in a.modes}
     run_gains: dict[str, list[dict[str, Any]]] = {m: [] for m in a.modes}
+    probes: dict[str, list[float]] = {m: [] for m in a.modes}
     for rep in range(a.repeats):
         for mode in a.modes:  # interleaved, so a drift in the machine's speed touches every mode alike
             label = f"{mode}-{rep}"
             if not a.report:
+                probes[mode].append(round(cpu_probe(), 3))
                 r = mode_recipe(base, model, work / label, mode, steps, a.engines, pin)
                 r = msgspec.structs.replace(r, run=msgspec.structs.replace(r.run, eval_every=every,
                                                                             eval_mode=a.eval_mode))
@@ -205,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
                            "engines": a.engines, "pinned": pin, "repeats": a.repeats,
                            "metric": a.metric, "samples_per_step": per_step, "sft_s": sft_s,
                            "sft_model": a.sft_model or (model and str(model)),
-                           **summarize(runs, a.target), "gains": run_gains, "curves": runs, "work_dir": str(work)}
+                           **summarize(runs, a.target), "gains": run_gains, "cpu_probe_s": probes, "curves": runs,
+                           "work_dir": str(work)}
     png = Path(a.png) if a.png else (Path(a.out).with_suffix(".png") if a.out else work / "time_to_accuracy.png")
     plot(runs, out["target_accuracy"], png, f"{a.recipe} ({a.metric}), {a.repeats} runs per mode, {out['git']}")
     out["png"] = str(png)

@@ -403,6 +403,7 @@ def test_report_only_benchmarks(name: str, tmp_path: Path, monkeypatch: pytest.M
         assert rep["time_to_target_runs_s"]["lockstep"] == pytest.approx([1.5, 1.5, 0.4])
         assert rep["time_to_target_s"] == pytest.approx({"lockstep": 1.5, "stream": 0.4})
         assert rep["speedup_vs_lockstep"]["stream"] == pytest.approx(3.75)
+        assert rep["speedup_vs_lockstep_per_repeat"]["stream"] == pytest.approx([3.75, 3.75, 1.0])
         assert time_to_accuracy.time_to_target(fast, 0.0) == 0.0  # reached where it starts
         assert rep["final_accuracy"] == {"lockstep": pytest.approx(0.4), "stream": 0.5}
         high = time_to_accuracy.summarize({"lockstep": [slow, slow, fast]}, 0.5)
@@ -425,6 +426,7 @@ def test_report_only_benchmarks(name: str, tmp_path: Path, monkeypatch: pytest.M
         rep = json.loads((tmp_path / "r.json").read_text())
         assert rep["target_accuracy"] == 0.5 and rep["time_to_target_s"] == {"lockstep": 0.5, "stream": 0.5}
         assert rep["gains"]["stream"][0]["greedy"]["gain"] == 1.0 and (tmp_path / "r.png").stat().st_size > 0
+        assert rep["cpu_probe_s"] == {"lockstep": [], "stream": []}  # --report ran nothing
         with pytest.raises(SystemExit, match="no evaluations"):
             time_to_accuracy.main(["--quickstart", "--report", str(tmp_path / "work"), "--repeats", "2"])
     elif name == "length_schedule":
