@@ -13,8 +13,10 @@ import pytest
 
 from streamrl.plugins.data import DataError, PromptRecord, PromptSource, read_records
 from streamrl.recipe import load_recipe
+from streamrl.recipe.schema import FnRef
 from streamrl.runtime import RunFailed
-from streamrl.runtime.inputs import check_enough_prompts
+from streamrl.runtime.inputs import check_enough_prompts, generate_data
+from streamrl.runtime.runlog import RunLog
 
 
 def _jsonl(path: Path, rows: list, raw_lines: dict[int, str] | None = None) -> Path:
@@ -252,10 +254,6 @@ def test_a_run_claiming_more_groups_than_its_prompts_make_is_refused(overrides: 
 
 
 def test_generated_data_is_written_again_when_its_args_change(tmp_path: Path):
-    from streamrl.recipe.schema import FnRef
-    from streamrl.runtime.inputs import generate_data
-    from streamrl.runtime.runlog import RunLog
-
     log, train = RunLog(tmp_path / "log", echo=False), tmp_path / "data" / "train.jsonl"
     gen = FnRef(fn="streamrl.plugins.tasks:write_task", args={"seed": 0, "n_train": 5, "n_eval": 2, "n_sft": 2})
     generate_data(gen, train, log)
