@@ -161,8 +161,8 @@ def teacher_chain(rng: random.Random, a: int, d: int, slip_rate: float,
     """The noisy teacher's chain: each step's result is off by one of SLIPS with probability
     `slip_rate`, and the chain goes on from the value written (so a long chain is more often wrong).
     With `borrow_slip_rate` p the teacher also has a misconception: where the step borrows (x's units
-    digit < d) it forgets to lower the tens with probability p ("952-7=955"). Above 0.5 its most
-    likely step is wrong exactly where a borrow is due. It stops where the exact chain would, or
+    digit < d) it forgets to lower the tens with probability p ("952-7=955"; no random slip on top).
+    Above 0.5 its most likely step is wrong exactly where a borrow is due. It stops where the exact chain would, or
     after one step more (a slip can keep it in the hundred)."""
     floor, out, steps = a // 100 * 100, [], len(countdown_chain(a, d)) + 1
     x = a
