@@ -77,9 +77,8 @@ def gains(evals: list[dict[str, Any]]) -> dict[str, dict[str, float | bool]]:
     """First -> last evaluation of one run, sampled and greedy: the gain, the larger 95% half-width of
     the two points, and whether the gain is over twice it (what the long-tail recipe must show)."""
     rows = sorted(evals, key=lambda e: e["policy_version"])
-    out = {}
+    first, last, out = rows[0], rows[-1], {}
     for name, key, ci in (("sampled", "accuracy", "accuracy_ci95"), ("greedy", "greedy_accuracy", "greedy_ci95")):
-        first, last = rows[0], rows[-1]
         if key not in last:
             continue
         half = max(first.get(ci) or 0.0, last.get(ci) or 0.0)

@@ -2,8 +2,9 @@
 
 Everything here looks at a run the way a user does: it starts `streamrl run` as a subprocess
 and reads what the run leaves behind (exit code, stderr, RUN_DIR/metrics.jsonl, events.jsonl,
-run.log, the experience pool, `streamrl pool stats --json`, the pushed weights). Nothing
-imports the runtime's internals.
+run.log, the experience pool, `streamrl pool stats --json`, the pushed weights). Of the runtime it
+uses only the run logs' own reader (`read_jsonl`: complete lines of a log still being written) and
+the CLI's `main`.
 
     recipe = write_recipe(tmp_path, model_dir, train_path, {"staleness.max_staleness": 4})
     res = run_recipe(recipe, run_dir)          # fails the test with stderr/run.log/engine log tails
@@ -32,6 +33,8 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+
+from streamrl.runtime.runlog import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -318,13 +321,6 @@ class Runs:
 
 
 # ---------------------------------------------------------------- reading a run directory
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """A run's log, complete lines only (streamrl.runtime.runlog.read_jsonl: tests read live runs too)."""
-    from streamrl.runtime.runlog import read_jsonl as read_run_log
-
-    return read_run_log(path)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
