@@ -98,7 +98,7 @@ class BackgroundEval:
         spec = EngineLauncher(self.model_dir, 1, None, self.backend, self.log_dir / "eval",  # type: ignore[arg-type]
                               self.extra_args, tp=self.tp, num_cpus=0, engine_kwargs=self.engine_kwargs,
                               startup_timeout_s=self.startup_timeout_s, keys=self.keys,
-                              python=self.recipe.engines.python)
+                              python=self.recipe.engines.python, threads=self.recipe.engines.threads)
         self._actor = spec.new_actor(0)
         try:
             self.url = await self._actor.start.remote()

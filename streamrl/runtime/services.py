@@ -124,6 +124,8 @@ class Services:
                   "weights_root": str((self.dir / "weights").resolve()),  # the only weights an engine may load
                   **({"cpus": r.engines.cpus} if r.engines.cpus else {})} if r.engines.backend == "embedded" else None
         extra = list(r.engines.extra_args)
+        if r.engines.backend != "embedded" and "--random-seed" not in extra:
+            extra += ["--random-seed", str(r.run.seed)]  # as the embedded engine's seed: sampling repeats run to run
         if r.engines.backend == "sglang" and model_routing(r) and ROUTED_FLAG not in extra:
             extra.append(ROUTED_FLAG)  # SGLang captures routed experts only with it (the embedded engine always can)
         if r.engines.backend != "embedded" and r.learner.lora is not None and LORA_FLAG not in extra:
@@ -136,7 +138,8 @@ class Services:
                                       log_dir=self.dir / "logs", extra_args=extra, tp=r.engines.tp,
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
                                       host=NODE if node else r.engines.host, num_cpus=placement.ENGINE_CPUS,
-                                      placement_group=self.engines_pg, python=r.engines.python)
+                                      placement_group=self.engines_pg, python=r.engines.python,
+                                      threads=r.engines.threads)
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
         bg_up = None
