@@ -8,11 +8,13 @@ JSON contract module loaded from its wheel.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 import zipfile
@@ -216,6 +218,57 @@ class EngineProc:
     def leftovers(self) -> list[int]:
         """Pids of this engine (or anything it started) still alive."""
         return [p for p in [self.pid, *self.known_descendants] if pid_alive(p)]
+
+
+class SGLangProc(EngineProc):
+    """Real SGLang 0.5.23 on this CPU in a subprocess, started exactly as the engine actor starts it
+    (engine_process.engine_command with connectors/sglang/cpu_sglang.py's flags and environment), from
+    the venv `make sglang` builds. `keys`: required by the server (its `--config` file, as the actor
+    writes it); `extra_args`: more SGLang flags (e.g. --enable-lora)."""
+
+    def __init__(self, model_dir: str | Path, log_path: str | Path, keys: Any = None,
+                 extra_args: Sequence[str] = ()) -> None:  # noqa: D107 - EngineProc's attributes, SGLang's process
+        import json
+
+        from streamrl.connectors.auth import write_private
+        from streamrl.connectors.sglang import cpu_sglang
+        from streamrl.connectors.sglang.engine_actor import copy_redacted, sglang_key_config
+        from streamrl.connectors.sglang.engine_process import engine_command
+
+        self.model_dir, self.log_path, self.keys = str(model_dir), Path(log_path), keys
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        extra = list(extra_args)
+        if keys is not None:
+            conf = self.log_path.with_suffix(".keys.yaml")
+            write_private(conf, json.dumps(sglang_key_config(keys)))
+            extra += ["--config", str(conf)]
+        python = cpu_sglang.venv_python()
+        with socket.socket() as probe:  # SGLang binds its port itself (the actor retries a taken one)
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        cmd = engine_command("sglang", self.model_dir, self.port, extra_args=cpu_sglang.cpu_args(extra), python=python)
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **cpu_sglang.cpu_env(python)})
+        # the engine actor's log pipe: SGLang prints its server arguments, the keys among them
+        secrets = [k.encode() for k in (keys.api, keys.admin) if k] if keys is not None else []
+        threading.Thread(target=copy_redacted, args=(self.proc.stdout, self.log_path, secrets), daemon=True).start()
+        self.pid = self.proc.pid
+        self.returncode = None
+        self.killed = False
+        self.known_descendants = set()
+
+    def wait_ready(self, timeout_s: float = 600) -> SGLangProc:
+        super().wait_ready(timeout_s)  # 30-60 s of imports on an idle 2-core machine, minutes under load
+        return self
+
+    def stop(self, grace_s: float = 20) -> int | None:
+        self.known_descendants.update(descendants(self.pid))
+        code = super().stop(grace_s)
+        for pid in self.leftovers():  # SGLang's scheduler and detokenizer, in the engine's process group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        return code
 
 
 def start_engines(model_dir: str | Path, log_dir: Path, count: int) -> list[EngineProc]:

@@ -90,15 +90,15 @@ async def _load(url: str, model_dir: str) -> None:
 
 
 @asynccontextmanager
-async def _agent(engine_url: str, tok: Any, temperature: float = 0.0) -> AsyncIterator[Callable[[], Any]]:
-    """A factory of (episode, openai client for it) pairs served by one proxy."""
+async def _agent(engine_url: str, tok: Any, temperature: float = 0.0, keys: Any = None) -> AsyncIterator[Callable[[], Any]]:
+    """A factory of (episode, openai client for it) pairs served by one proxy (`keys`: the engine's)."""
     from streamrl.connectors.sglang.client import SGLangClient
     from streamrl.producers.openai_proxy import OpenAIProxy
 
     proxy = OpenAIProxy()
     await proxy.start()
     clients = []
-    async with SGLangClient(engine_url) as c:
+    async with SGLangClient(engine_url, keys=keys) as c:
         def new() -> tuple[Episode, Any]:
             ep = Episode(c, tok, sampling={"temperature": temperature}, max_new_tokens=64, max_context=256)
             oa = openai.AsyncOpenAI(base_url=proxy.url, api_key=proxy.open(ep), max_retries=0)

@@ -91,13 +91,18 @@ def _resume_and_interrupt(run_dir: Path, io: Path, steps: int) -> None:
 #
 # -sigint: resumed to train 4 more steps, it is stopped with Ctrl-C and resumed again (its own case until CI
 # neared 30 minutes: a stop of its own, at step 3 of a fresh run, took a run, a resume and a replay).
-@pytest.mark.parametrize("moment", ["checkpoint.files:2-sigint", "random-tp2", "publish:4-s3-moe"])
+#
+# publish:4-sglang: the engine is real SGLang 0.5.23 on this CPU (`make sglang`), one request at a time, weights
+# over the gloo group: the kill lands in a push to it, the resumed run starts it again.
+@pytest.mark.parametrize("moment", ["checkpoint.files:2-sigint", "random-tp2", "publish:4-s3-moe", "publish:4-sglang"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str, request: pytest.FixtureRequest) -> None:
     run_dir = tmp_path / "run"
     s3 = {}
     then_sigint = moment.endswith("-sigint")
     moment = moment.removesuffix("-sigint")
+    sglang = moment.endswith("-sglang")
+    moment = moment.removesuffix("-sglang")
     moe = moment.endswith("-moe")
     if moe:
         tiny_model = moe_model_dirs(tmp_path / "models", [0])[0]
@@ -115,7 +120,9 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         # machine (CI of 2026-11-28: staleness capacity full at the 4th publish): now 1 at a time.
         "rollout.max_new_tokens": 64, "rollout.groups_per_step": 3, "engines.max_running": 1,
         "engines.weight_sync": "distributed", **({"learner.parallel.tp": 2} if moment.endswith("tp2") else {}),
-        **({"learner.parallel.dp": 2, "learner.parallel.ep": 2} if moe else {}), **s3})
+        **({"learner.parallel.dp": 2, "learner.parallel.ep": 2} if moe else {}), **s3,
+        **({"engines.backend": "sglang", "engines.max_running": None,
+            "engines.extra_args": ["--max-running-requests", "1"]} if sglang else {})})
     env = {} if moment.startswith("random") else {"STREAMRL_FREEZE_AT": moment}
     proc = start_streamrl(["run", str(recipe), "--run-dir", str(run_dir), "--quiet"], tmp_path / "io1", env)
     if moment.startswith("random"):
@@ -133,6 +140,7 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
                                    max((sp.version for s in g.samples for sp in s.spans), default=None))
                       for g in pool_groups(run_dir, "status = 'partial'")}
     steps_before = {m["step"] for m in read_metrics(run_dir)}
+    first_key = json.loads((run_dir / "endpoints.json").read_text())["api_key"]
     killed = power_off(proc, run_dir)
     assert killed >= 5, f"only {killed} processes killed: the run's Ray/engine processes were not found"
     if moment.startswith("publish"):
@@ -167,6 +175,11 @@ def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_da
         assert all(last[s]["routing_mismatch"] == 0 and last[s]["routing_missing_rows"] == 0 for s in last), \
             [(s, last[s]["routing_mismatch"], last[s]["routing_missing_rows"]) for s in last]
 
+    if sglang:  # it was SGLang that served, both times, and the run's keys never reached its log
+        log = (run_dir / "logs" / "engine-0.log").read_text(errors="replace")
+        assert log.count("backend=sglang (cpu)") >= 2 and "The server is fired up" in log, log[-2000:]
+        second_key = json.loads((run_dir / "endpoints.json").read_text())["api_key"]
+        assert first_key not in log and second_key not in log and "'api_key': '<redacted>'" in log
     stats = assert_ledger_balanced(run_dir)  # `streamrl pool stats --json`
     if s3:
         assert stats["uri"] == s3["pool.uri"] and not (run_dir / "pool").exists(), stats["uri"]
