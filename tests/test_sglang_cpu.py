@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -22,16 +23,24 @@ REPO = Path(__file__).resolve().parent.parent
 PARSE = """
 import json, sys
 from sglang.srt.server_args import prepare_server_args
-a = prepare_server_args(json.loads(sys.argv[1]))
-print(json.dumps({k: getattr(a, k) for k in ("api_key", "admin_api_key", "device", "attention_backend", "dtype",
-                                              "max_total_tokens", "sleep_on_idle", "skip_server_warmup", "port")}))
+for args in json.loads(sys.argv[1]):  # one import of SGLang (~10-40 s), several command lines
+    try:
+        a = prepare_server_args(args)
+    except SystemExit as e:
+        print(json.dumps({"exit": e.code}))
+        continue
+    print(json.dumps({k: getattr(a, k) for k in ("api_key", "admin_api_key", "device", "attention_backend", "dtype",
+                                                  "max_total_tokens", "sleep_on_idle", "skip_server_warmup", "port")}))
 """
 
 
-def _sglang_parse(args: list[str]) -> subprocess.CompletedProcess[str]:
+def _sglang_parse(*command_lines: list[str]) -> tuple[list[dict], str]:
+    """What SGLang's parser makes of each command line ({"exit": code} where it exits), and its stderr."""
     python = cpu_sglang.venv_python()
-    return subprocess.run([python, "-W", "ignore", "-c", PARSE, json.dumps(args)], capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, **cpu_sglang.cpu_env(python)})
+    r = subprocess.run([python, "-W", "ignore", "-c", PARSE, json.dumps(command_lines)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, **cpu_sglang.cpu_env(python)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")], r.stderr
 
 
 def test_sglang_takes_the_keys_file_the_engine_actor_writes(tmp_path, model_dirs):
@@ -40,18 +49,16 @@ def test_sglang_takes_the_keys_file_the_engine_actor_writes(tmp_path, model_dirs
     turns into the flag `--api_key`; argparse knows only `--api-key`, so every real SGLang engine exited 2
     at start, printing both keys in the error (the second half below shows that file failing)."""
     keys = Keys.new()
-    conf = tmp_path / "engine-0.keys.yaml"
+    conf, old = tmp_path / "engine-0.keys.yaml", tmp_path / "old.keys.yaml"
     write_private(conf, json.dumps(sglang_key_config(keys)))
-    r = _sglang_parse(cpu_sglang.cpu_args(["--model-path", model_dirs[0], "--port", "31111", "--config", str(conf)]))
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    write_private(old, json.dumps({"api_key": keys.api, "admin_api_key": keys.admin}))  # what the actor wrote before
+    (got, before), stderr = _sglang_parse(
+        cpu_sglang.cpu_args(["--model-path", model_dirs[0], "--port", "31111", "--config", str(conf)]),
+        ["--model-path", model_dirs[0], "--config", str(old)])
     assert got == {"api_key": keys.api, "admin_api_key": keys.admin, "device": "cpu", "attention_backend": "torch_native",
                    "dtype": "float32", "max_total_tokens": 8192, "sleep_on_idle": True, "skip_server_warmup": True,
                    "port": 31111}
-    old = tmp_path / "old.keys.yaml"  # what the actor wrote before
-    write_private(old, json.dumps({"api_key": keys.api, "admin_api_key": keys.admin}))
-    r = _sglang_parse(["--model-path", model_dirs[0], "--config", str(old)])
-    assert r.returncode == 2 and "unrecognized arguments: --api_key" in r.stderr
+    assert before == {"exit": 2} and "unrecognized arguments: --api_key" in stderr
 
 
 def test_cpu_flags_yield_to_the_users(tmp_path):

@@ -98,11 +98,12 @@ class EngineActor:
                  weight_version: str = "0", tp: int = 1, extra_args: Sequence[str] = (),
                  engine_kwargs: dict[str, Any] | None = None, host: str = "127.0.0.1",
                  startup_timeout_s: float = 600, stop_grace_s: float = 10, keys: Keys | None = None,
-                 python: str | None = None, threads: int = 1) -> None:
+                 python: str | None = None, threads: int = 1, cpus: Sequence[int] = ()) -> None:
         """`keys` (connectors/auth.py): the engine requires them; they reach it through its
         environment (embedded) or a 0600 `--config` file beside its log (SGLang), never argv.
         `python` (recipe engines.python): the interpreter that starts SGLang; None = this one on a GPU,
-        the `make sglang` venv on CPU. `threads`: torch threads of SGLang on CPU (recipe engines.threads)."""
+        the `make sglang` venv on CPU. `threads`, `cpus`: torch threads of SGLang on CPU and the cores its
+        processes may run on (recipe engines.threads, engines.cpus; empty: any)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.index, self.model_dir, self.host = index, str(model_dir), bind_host(host)  # on the engine's node
@@ -110,7 +111,7 @@ class EngineActor:
         self.weight_version, self.tp = str(weight_version), int(tp)
         self.extra_args = [str(a) for a in extra_args]
         self.engine_kwargs = dict(engine_kwargs or {})
-        self.python, self.threads = python, int(threads)
+        self.python, self.threads, self.cpus = python, int(threads), [int(c) for c in cpus]
         self.cpu = False  # SGLang on the CPU (no GPU in this actor)
         self.keys = keys or Keys()
         self.startup_timeout_s, self.stop_grace_s = startup_timeout_s, stop_grace_s
@@ -166,6 +167,8 @@ class EngineActor:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if secrets_ else out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                                          pass_fds=(sock.fileno(),) if sock else ())
+        if self.cpu and self.cpus:  # (the embedded engine pins itself: engine_kwargs cpus) SGLang's scheduler and
+            os.sched_setaffinity(self.proc.pid, self.cpus)  # detokenizer start seconds later, after its imports: they inherit it
         if secrets_:
             assert self.proc.stdout is not None
             self._pump = threading.Thread(target=copy_redacted, args=(self.proc.stdout, self.log_path, secrets_),

@@ -148,7 +148,7 @@ class EngineLauncher:
                  startup_timeout_s: float = 600, on_restart: OnRestart | None = None,
                  max_restarts: int | None = None, actor_options: dict[str, Any] | None = None,
                  keys: Keys | None = None, host: str = "127.0.0.1", placement_group: Any = None,
-                 python: str | None = None, threads: int = 1) -> None:
+                 python: str | None = None, threads: int = 1, cpus: Sequence[int] = ()) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if num_engines < 1:
@@ -159,7 +159,7 @@ class EngineLauncher:
         self.extra_args, self.tp = list(extra_args), tp
         self.host = host  # the address every engine binds (recipe engines.host)
         self.python = python  # the interpreter that starts SGLang engines (recipe engines.python); None = this one
-        self.threads = threads  # torch threads of SGLang on CPU (recipe engines.threads)
+        self.threads, self.cpus = threads, list(cpus)  # SGLang on CPU: torch threads, cores (engines.threads, .cpus)
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus  # None: tp for SGLang (and for "auto" where the cluster has GPUs)
         self.engine_kwargs = engine_kwargs or {}
@@ -191,7 +191,7 @@ class EngineLauncher:
         return EngineActor.options(**opts).remote(
             index, self.model_dir, self.backend, str(self.log_dir), self.weight_version, self.tp,
             self.extra_args, self.engine_kwargs, self.host, self.startup_timeout_s, keys=self.keys, python=self.python,
-            threads=self.threads)
+            threads=self.threads, cpus=self.cpus)
 
     async def start(self, watch: bool = True) -> list[str]:
         if self.actors:

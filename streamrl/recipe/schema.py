@@ -337,18 +337,18 @@ class EnginesCfg(_Cfg):
     """The rollout engines, behind sglang-router."""
 
     num: PosInt = 1  # engines
-    # embedded: the CPU engine over transformers that speaks SGLang's API; sglang: SGLang (GPU);
-    # auto: SGLang where the cluster has GPUs
+    # embedded: the CPU engine over transformers that speaks SGLang's API; sglang: SGLang (on GPUs; where the cluster
+    # has none, on the CPU from the venv `make sglang` builds, docs/engines.md); auto: SGLang where the cluster has GPUs
     backend: Literal["embedded", "sglang", "auto"] = "embedded"
     host: str = "127.0.0.1"  # the address the engines bind; another exposes them beyond this machine; not 0.0.0.0
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"  # sglang-router's
     weight_sync: Literal["distributed", "disk"] = "distributed"  # how new versions reach the engines
     tp: PosInt = 1  # tensor parallel size per engine: each TP rank joins the weight group (embedded: 1 process)
     max_running: PosInt = 64  # embedded engine: requests decoded together
-    threads: PosInt = 1  # embedded engine: torch CPU threads
+    threads: PosInt = 1  # engines on CPU (embedded, or SGLang without a GPU): torch CPU threads
     extra_args: list[str] = []  # SGLang launch_server arguments
     keep_weights: NonNegInt = 2  # pushed versions kept under RUN_DIR/weights (disk sync); 0 = all
-    cpus: list[NonNegInt] = []  # embedded engines: pin to these cores (Linux); empty = no pinning
+    cpus: list[NonNegInt] = []  # engines on CPU (embedded, or SGLang without a GPU): pin to these cores (Linux); empty = none
     # SGLang engines: the Python interpreter that starts them, for engines kept in their own environment
     # (docs/gpu.md); None = the one running StreamRL. Must exist and be executable on every engine node
     python: str | None = None

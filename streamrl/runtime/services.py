@@ -139,7 +139,7 @@ class Services:
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
                                       host=NODE if node else r.engines.host, num_cpus=placement.ENGINE_CPUS,
                                       placement_group=self.engines_pg, python=r.engines.python,
-                                      threads=r.engines.threads)
+                                      threads=r.engines.threads, cpus=r.engines.cpus)
         # Engines start (slow imports) while the learner warm-starts; SFT weights reach them as version 0.
         engines_up = asyncio.create_task(self.engines.start())
         bg_up = None
