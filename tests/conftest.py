@@ -42,6 +42,22 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="session")
+def ref0(model_dirs: tuple[str, str]):
+    """transformers' seed-0 model (what the engines serve), float32, eval mode."""
+    from enginekit import load_model
+
+    return load_model(model_dirs[0])
+
+
+@pytest.fixture(scope="session")
+def ref1(model_dirs: tuple[str, str]):
+    """transformers' seed-1 model (the weights update tests push)."""
+    from enginekit import load_model
+
+    return load_model(model_dirs[1])
+
+
+@pytest.fixture(scope="session")
 def engines(model_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):
     """Two embedded engines (subprocesses, default host) serving the seed-0 model, started once
     per session. Stopped with SIGTERM at the end; fails the session if one needs SIGKILL or

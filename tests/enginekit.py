@@ -1,7 +1,9 @@
 """Helpers for the embedded-engine and router tests: test model directories, engine
 subprocesses (started, health-checked, stopped, checked for orphans), listening-socket
 inspection from /proc, raw HTTP calls, transformers reference computations, and SGLang's
-JSON contract module loaded from its wheel.
+JSON contract module loaded from its wheel; and real SGLang on this CPU, started as the engine actor starts it.
+
+Long file: every engine process the tests start (embedded and real SGLang) and what they inspect of it.
 
     from enginekit import EngineProc, make_model_dir, post_json
 """

@@ -38,7 +38,6 @@ from enginekit import (
     get_json,
     hf_greedy,
     listening_sockets,
-    load_model,
     non_loopback_address,
     post_json,
     prompt,
@@ -54,16 +53,6 @@ DELAYS = (0.12, 0.05, 0.02)
 # comparing the engine's greedy tokens with transformers' cannot flip on fp32 rounding.
 ABORT_PROMPT = 38  # 200 tokens
 FLIGHT_PROMPTS = (232, 234, 237, 220)  # 240 tokens
-
-
-@pytest.fixture(scope="module")
-def ref0(model_dirs):
-    return load_model(model_dirs[0])
-
-
-@pytest.fixture(scope="module")
-def ref1(model_dirs):
-    return load_model(model_dirs[1])
 
 
 async def _version(s: aiohttp.ClientSession, url: str) -> str:

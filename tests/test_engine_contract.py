@@ -5,6 +5,8 @@ runtime speaks to them. Where the two differ, the test names the difference (doc
 
 The model is the tiny Qwen2 with sharpened weights (enginekit.make_model_dir), float32 on both engines,
 so log-probs are compared with a transformers forward at 1e-5.
+
+Long file: the whole engine contract in one place, so that a difference between the engines shows in one file.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from streamrl.connectors.sglang.client import EngineError, SGLangClient
 from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
 from streamrl.core.types import VersionSpan
 
-from enginekit import EngineProc, SGLangProc, hf_greedy, load_model, prompt, reference_logprobs
+from enginekit import EngineProc, SGLangProc, hf_greedy, prompt, reference_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -91,16 +93,6 @@ def tok(model_dirs):
 
 
 from test_openai_tools import scripted_model  # noqa: E402,F401 - the fixture: a tiny model trained to call a tool
-
-
-@pytest.fixture(scope="module")
-def ref0(model_dirs):
-    return load_model(model_dirs[0])
-
-
-@pytest.fixture(scope="module")
-def ref1(model_dirs):
-    return load_model(model_dirs[1])
 
 
 async def _greedy(c: SGLangClient, prompts: list[list[int]], n: int):
@@ -196,6 +188,19 @@ async def _in_flight(c: SGLangClient, prompts: list[list[int]], act, temperature
     pytest.fail(f"could not act with requests in flight after waits of {DELAYS} s")
 
 
+async def _pause_then_continue(engine: Engine, prompts: list[list[int]], mode: str, meanwhile=None):
+    """Pause with `mode` while long greedy requests run, `await meanwhile(client)` if given, continue;
+    returns (which requests were still unfinished 0.3 s into the pause, their results)."""
+    async with engine.client() as c:
+        tasks, _ = await _in_flight(c, prompts, lambda: c.pause(mode))
+        await asyncio.sleep(0.3)
+        still = [not t.done() for t in tasks]
+        if meanwhile is not None:
+            await meanwhile(c)
+        await c.resume()
+        return still, await asyncio.gather(*tasks)
+
+
 def test_abort_returns_partial_tokens_and_the_resumed_rollout_continues_exactly(engine, ref0):
     """/abort_request by rid mid-generation: the partial tokens and their log-probs come back with finish
     type abort; prompt + partial, resubmitted greedily, continues exactly as an uninterrupted greedy run
@@ -264,17 +269,8 @@ def test_pause_in_place_update_then_continue_spans_two_versions(engine, model_di
     engine never does). The old weights' span is right either way, so a sample's oldest version, which
     staleness is measured by, is right; docs/engines.md."""
     p = [prompt(232), prompt(234)]
-
-    async def main():
-        async with engine.client() as c:
-            tasks, _ = await _in_flight(c, p, lambda: c.pause("in_place"))
-            await asyncio.sleep(0.3)
-            still = [not t.done() for t in tasks]
-            await c.update_weights_from_disk(model_dirs[1], weight_version=1, flush_cache=False)
-            await c.resume()
-            return still, await asyncio.gather(*tasks)
-
-    still, results = asyncio.run(main())
+    still, results = asyncio.run(_pause_then_continue(
+        engine, p, "in_place", lambda c: c.update_weights_from_disk(model_dirs[1], weight_version=1, flush_cache=False)))
     assert all(still), "a request finished while the engine was paused in place"
     for q, r in zip(p, results):
         assert r.finish_type == "length" and len(r.output_ids) == LONG
@@ -308,16 +304,7 @@ def test_pause_retract_then_continue_finishes_every_request(engine, ref0):
     """pause mode retract: the running requests are taken off the batch (KV freed) and, after
     continue_generation, finish with all their tokens; greedy output equals an uninterrupted run."""
     p = [prompt(232), prompt(234)]
-
-    async def main():
-        async with engine.client() as c:
-            tasks, _ = await _in_flight(c, p, lambda: c.pause("retract"))
-            await asyncio.sleep(0.3)
-            still = [not t.done() for t in tasks]
-            await c.resume()
-            return still, await asyncio.gather(*tasks)
-
-    still, results = asyncio.run(main())
+    still, results = asyncio.run(_pause_then_continue(engine, p, "retract"))
     assert all(still)
     for q, r in zip(p, results):
         assert r.finish_type == "length" and r.output_ids == hf_greedy(ref0, q, LONG)
