@@ -233,6 +233,7 @@ class SGLangProc(EngineProc):
         import json
 
         from streamrl.connectors.auth import write_private
+        from streamrl.connectors.ports import start_on_free_port
         from streamrl.connectors.sglang import cpu_sglang
         from streamrl.connectors.sglang.engine_actor import copy_redacted, sglang_key_config
         from streamrl.connectors.sglang.engine_process import engine_command
@@ -245,9 +246,8 @@ class SGLangProc(EngineProc):
             write_private(conf, json.dumps(sglang_key_config(keys)))
             extra += ["--config", str(conf)]
         python = cpu_sglang.venv_python()
-        with socket.socket() as probe:  # SGLang binds its port itself (the actor retries a taken one)
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        # SGLang binds its port itself: a free one now, as the engine actor picks it (which retries a taken one)
+        self.port = start_on_free_port(lambda port: port)
         cmd = engine_command("sglang", self.model_dir, self.port, extra_args=cpu_sglang.cpu_args(extra), python=python)
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True,

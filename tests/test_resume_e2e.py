@@ -92,9 +92,9 @@ def _resume_and_interrupt(run_dir: Path, io: Path, steps: int) -> None:
 # -sigint: resumed to train 4 more steps, it is stopped with Ctrl-C and resumed again (its own case until CI
 # neared 30 minutes: a stop of its own, at step 3 of a fresh run, took a run, a resume and a replay).
 #
-# publish:4-sglang: the engine is real SGLang 0.5.23 on this CPU (`make sglang`), weights over the gloo group:
-# the kill lands in a push to it, the resumed run starts it again.
-@pytest.mark.parametrize("moment", ["checkpoint.files:2-sigint", "random-tp2", "publish:4-s3-moe", "publish:4-sglang"])
+# publish:4-sglang (tests/test_resume_sglang_e2e.py, a file of its own so that the two test workers can run it
+# beside these): the engine is real SGLang 0.5.23 on this CPU.
+@pytest.mark.parametrize("moment", ["checkpoint.files:2-sigint", "random-tp2", "publish:4-s3-moe"])
 def test_kill_and_resume_loses_nothing(tmp_path: Path, tiny_model: Path, task_data: dict[str, Path],
                                        moment: str, request: pytest.FixtureRequest) -> None:
     run_dir = tmp_path / "run"
