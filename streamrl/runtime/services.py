@@ -124,7 +124,7 @@ class Services:
                   "weights_root": str((self.dir / "weights").resolve()),  # the only weights an engine may load
                   **({"cpus": r.engines.cpus} if r.engines.cpus else {})} if r.engines.backend == "embedded" else None
         extra = list(r.engines.extra_args)
-        if r.engines.backend != "embedded" and "--random-seed" not in extra:
+        if r.engines.backend == "sglang" and "--random-seed" not in extra:  # ("auto" may turn out embedded: no extra_args)
             extra += ["--random-seed", str(r.run.seed)]  # as the embedded engine's seed: sampling repeats run to run
         if r.engines.backend == "sglang" and model_routing(r) and ROUTED_FLAG not in extra:
             extra.append(ROUTED_FLAG)  # SGLang captures routed experts only with it (the embedded engine always can)
