@@ -12,17 +12,29 @@ Long file: the whole engine contract in one place, so that a difference between 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
+from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from streamrl.connectors.auth import Keys, bearer
 from streamrl.connectors.sglang.client import EngineError, SGLangClient
+from streamrl.connectors.sglang.router import Router
 from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, broadcast, create_group, dtype_name, open_store, pack
+from streamrl.core import lora as names
 from streamrl.core.types import VersionSpan
+from streamrl.recipes.agents.tool_agent import TOOLS
 
 from enginekit import EngineProc, SGLangProc, hf_greedy, prompt, reference_logprobs
+from test_lora import _random_adapter
+from test_openai_tools import CALL, USER, _agent, _trained, scripted_model  # scripted_model: a fixture
+
+__all__ = ["scripted_model"]  # fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -87,12 +99,7 @@ def engine(eng):
 
 @pytest.fixture(scope="module")
 def tok(model_dirs):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(model_dirs[0])
-
-
-from test_openai_tools import scripted_model  # noqa: E402,F401 - the fixture: a tiny model trained to call a tool
 
 
 async def _greedy(c: SGLangClient, prompts: list[list[int]], n: int):
@@ -287,8 +294,6 @@ def test_pause_in_place_update_then_continue_spans_two_versions(engine, model_di
 def _greedy_after_in_place_update(old, new, context: list[int], n: int) -> list[int]:
     """n greedy tokens of `new` after `context`, where the KV of every context token but the last was
     written by `old` (the last token was sampled, not yet fed, when the update landed)."""
-    import torch
-
     out: list[int] = []
     with torch.no_grad():
         cache = old(input_ids=torch.tensor([context[:-1]]), use_cache=True).past_key_values
@@ -398,8 +403,6 @@ def test_distributed_update_outside_a_session_is_refused(engine, ref1):
 def test_the_sglang_router_in_front(engine, ref0):
     """The real sglang-router (round robin, the run's keys) with the engine registered: /generate through
     it gives the engine's own greedy tokens, log-probs and version; without the API key it refuses."""
-    from streamrl.connectors.sglang.router import Router
-
     router = Router(policy="round_robin", keys=engine.keys).start()
 
     async def main():
@@ -431,10 +434,6 @@ def test_openai_proxy_tool_call_round_trip(engine, tok, scripted_model):
     engine; a model trained to call a tool writes the call, it is parsed into `tool_calls`, answered with
     a `tool` message and the model's answer comes back; the episode holds exactly the tokens the engine
     generated, with their log-probs."""
-    from test_openai_tools import CALL, USER, _agent, _trained
-
-    from streamrl.recipes.agents.tool_agent import TOOLS
-
     async def go():
         async with engine.client() as c:
             await c.update_weights_from_disk(scripted_model, weight_version=0)
@@ -465,15 +464,6 @@ def test_lora_adapter_load_generate_unload(engine, model_dirs, ref0):
     after /unload_lora_adapter the name is refused."""
     if engine.kind == "sglang":
         pytest.skip(SGLANG_CPU_NO_LORA)
-    import copy
-    from pathlib import Path
-
-    import torch
-    from safetensors.torch import load_file
-    from test_lora import _random_adapter
-
-    from streamrl.core import lora as names
-
     root = Path(model_dirs[0]).parent
     path = _random_adapter(Path(model_dirs[0]), root / "lora-v000007")
     merged, ad = copy.deepcopy(ref0), load_file(str(path / "adapter_model.safetensors"))
