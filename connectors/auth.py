@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+from pathlib import Path
 
 import msgspec
 
@@ -75,8 +76,38 @@ def bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def write_private(path: str | os.PathLike[str], text: str) -> None:
-    """Write a file only its owner can read (mode 0600 from the start, not chmod-ed after)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _private_temp(path: Path, text: str) -> Path:
+    """`text` in a new file beside `path`, mode 0600 from the start (not chmod-ed after)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    return tmp
+
+
+def write_private(path: str | os.PathLike[str], text: str) -> None:
+    """Write a file only its owner can read. Written beside it and renamed over it: a reader polling for
+    the file (a test, an external producer, the producer API) sees no file or the whole text, never an
+    empty or half-written one."""
+    path = Path(path)
+    tmp = _private_temp(path, text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def create_private(path: str | os.PathLike[str], text: str) -> str:
+    """Create `path` (mode 0600) holding `text` unless it exists; return what the file holds. Linked into
+    place whole, so of several processes creating it at once one wins and every one reads the winner's text
+    (an O_EXCL create would let the others read it before its owner had written)."""
+    path = Path(path)
+    tmp = _private_temp(path, text)
+    try:
+        os.link(tmp, path)
+        return text
+    except FileExistsError:
+        return path.read_text()
+    finally:
+        tmp.unlink(missing_ok=True)

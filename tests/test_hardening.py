@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from streamrl.connectors.auth import ADMIN_PATHS, Keys
+from streamrl.connectors.auth import ADMIN_PATHS, Keys, create_private, write_private
 from streamrl.connectors.sglang.client import EngineError, SGLangClient, retryable
 
 from enginekit import EngineProc
@@ -53,6 +53,39 @@ def test_keys_follow_sglangs_rules():
     assert Keys().allows("/update_weights_from_disk", None)  # no keys: open, as SGLang without --api-key
     assert not KEYS.allows("/generate", "Bearer admin-key-for-tests")  # the admin key is not the API key
     assert not KEYS.allows("/generate", f"Basic {KEYS.api}") and KEYS.allows("/generate", f"bearer {KEYS.api}")
+
+
+def test_a_private_file_is_replaced_whole_never_truncated_in_place(tmp_path):
+    """A reader polling for endpoints.json once read it empty (CI, a two-node run: the file existed,
+    its text not yet written). Replaced whole, a reader holding the old file still reads the old text."""
+    path = tmp_path / "endpoints.json"
+    write_private(path, '{"router_url": "http://old"}')
+    with path.open() as before:
+        write_private(path, '{"router_url": "http://new"}')
+        assert before.read() == '{"router_url": "http://old"}'  # in place, it would read the new text (or none)
+    assert path.read_text() == '{"router_url": "http://new"}'
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["endpoints.json"]  # no temporary left beside it
+
+
+def test_a_private_file_created_twice_keeps_the_first_text_and_both_read_it(tmp_path, monkeypatch):
+    """The producer token: of two creators, the second reads the first one's whole token, never an empty file."""
+    import streamrl.connectors.auth as auth
+
+    path = tmp_path / "producer_token"
+    seen: list[int] = []
+    real_link = auth.os.link
+
+    def link_then_look(src, dst):  # the moment a second creator could look: right as the first one creates
+        real_link(src, dst)
+        seen.append(len(Path(dst).read_text()))
+
+    monkeypatch.setattr(auth.os, "link", link_then_look)
+    assert create_private(path, "first-token") == "first-token"
+    assert seen == [len("first-token")]  # the file appeared with its text already in it
+    assert create_private(path, "second-token") == "first-token"
+    assert path.read_text() == "first-token" and path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["producer_token"]
 
 
 @pytest.mark.parametrize("status,again", [(400, False), (401, False), (422, False), (404, False), (408, True),

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from streamrl.connectors.auth import create_private
 from streamrl.core import routing, staleness
 from streamrl.core.staleness import capacity_shares, claimed_per_step
 from streamrl.core.types import from_json, from_msgpack
@@ -64,14 +65,7 @@ def _error(status: int, reason: str, **extra: Any) -> web.Response:
 
 def read_token(run_dir: Path) -> str:
     """RUN_DIR/producer_token, created (mode 0600) by the first caller."""
-    path = run_dir / TOKEN_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
-    return path.read_text().strip()
+    return create_private(run_dir / TOKEN_FILE, secrets.token_urlsafe(32)).strip()
 
 
 def model_limits(recipe: Recipe) -> tuple[int, int, tuple[int, int, int]]:
