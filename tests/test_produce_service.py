@@ -130,12 +130,12 @@ def svc(tmp_path_factory: pytest.TempPathFactory):
 def test_health_auth_and_status(svc: Service):
     assert http("GET", svc.url + "/health") == (200, {"ok": True})
     assert oct((svc.run / "producer_token").stat().st_mode & 0o777) == "0o600"
-    for token in (None, "wrong", svc.token + "x"):
+    for token in (None, "  ", "wrong", svc.token + "x"):
         for method, path in (("GET", "/v1/status"), ("POST", "/v1/leases"), ("POST", "/v1/groups"),
                              ("GET", "/v1/groups/env:e0:p0")):
             status, body = http(method, svc.url + path, token=token, body=b"x")
             assert status == 401, (method, path, body)
-            assert ("wrong bearer token" if token else "missing 'Authorization: Bearer <token>'") in \
+            assert ("wrong bearer token" if (token or "").strip() else "missing 'Authorization: Bearer <token>'") in \
                 body["error"]["reason"]
     status, st = http("GET", svc.url + "/v1/status", token=svc.token)
     assert status == 200

@@ -212,10 +212,11 @@ class ProducerService:
 
     def _auth(self, request: web.Request) -> None:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token or not self.token:
             raise Refused(401, "unauthorized", f"missing 'Authorization: Bearer <token>' header (the token is in "
                                                f"{self.dir / TOKEN_FILE})")
-        if not hmac.compare_digest(token.strip().encode(), self.token):
+        if not hmac.compare_digest(token.encode(), self.token):
             raise Refused(401, "unauthorized", f"wrong bearer token (the token is in {self.dir / TOKEN_FILE})")
 
     def _note(self, request: web.Request, e: Refused) -> None:
