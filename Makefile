@@ -40,7 +40,10 @@ quickstart: $(STAMP)
 
 # Two workers, whole files each (module fixtures and a file's runs stay together): the suite is
 # mostly end-to-end runs waiting on engines, so the second core halves the wall time. PYTEST_ARGS="-n 0" runs it serially.
+# Bytecode first: where writing it at run time is off (PYTHONDONTWRITEBYTECODE=1, as on CI) every Ray worker,
+# engine and CLI process the tests start would compile the project's modules again.
 test: $(STAMP) browser sglang
+	$(BIN)/python -m compileall -q streamrl connectors pools recipes benchmarks tests >/dev/null
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 clean:
