@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
 import signal
@@ -46,6 +47,7 @@ from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init
 from streamrl.connectors.megatron.model_kit import PRESETS, init_model_dir  # noqa: E402
 from streamrl.core import algorithms as alg  # noqa: E402
 
+from benchmarks import _vocab_memory  # noqa: E402
 from benchmarks._common import emit, git_rev, log, machine  # noqa: E402
 from benchmarks._learner import layout_name, make_batch, parse_layout  # noqa: E402
 from benchmarks.learner_parallel import run_layout  # noqa: E402
@@ -302,6 +304,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--snapshot", action="store_true",
                     help="--parallel: after each step keep a packed host copy of the whole model on rank 0, as the "
                     "learner did before it published by gathering (for the memory comparison)")
+    ap.add_argument("--vocab", type=int, metavar="V",
+                    help="instead: the peak memory of one RL step per 1k tokens with a V-token vocabulary (151936: "
+                    "Qwen's) on the tiny preset's layers, the chunked log-probs beside the full-vocabulary ones, "
+                    "each side in a process of its own (figures in benchmarks/_vocab_memory.py)")
+    ap.add_argument("--reference", action="store_true",
+                    help="--vocab: only the full-vocabulary computation the learner used before (the tests' oracle)")
+    ap.add_argument("--one-side", action="store_true", help=argparse.SUPPRESS)  # --vocab's child process
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = ap.parse_args()
     args.warmup = max(1, args.warmup if args.warmup is not None else (2 if args.quick else 3))
@@ -324,6 +333,15 @@ def main() -> None:
         pass
     torch.manual_seed(0)
     hf_logging.disable_progress_bar()  # no weight-loading / shard-writing bars on stderr
+    if args.vocab:
+        (REPO / "runs").mkdir(exist_ok=True)
+        if args.one_side:
+            print(json.dumps(_vocab_memory.one_side(args)))
+            return
+        emit({"benchmark": "learner_step", "vocab_memory": _vocab_memory.run(args), "git": git_rev(),
+              "machine": machine(load0, ("torch", "transformers", "megatron-core")),
+              "wall_s": round(time.perf_counter() - wall0, 1)}, args.out)
+        return
 
     (REPO / "runs").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="learner_step-", dir=REPO / "runs"))

@@ -114,6 +114,15 @@ def _learner_step(d: dict[str, Any]) -> None:
     assert agree["grad_norm_rel_diff"] < 1e-3 and math.isfinite(agree["megatron"]["loss"]), agree
 
 
+def _learner_step_vocab(d: dict[str, Any]) -> None:
+    m = d["vocab_memory"]
+    for side in ("chunked", "reference"):
+        assert m[side]["peak_rss_mb_per_1k_tokens"] > 0 and m[side]["tokens"] == m["tokens"] > 0, m
+    # the same step on both sides, and the chunked one holds less
+    assert m["loss_abs_diff"] < 1e-5 and m["grad_norm_rel_diff"] < 1e-5, m
+    assert m["chunked_over_reference"] < 1, m
+
+
 GPU_CHECKS = {"learner_fp32_cpu", "learner_fp32", "learner_agreement", "learner_bf16", "weight_group", "engine",
               "engine_cpu_parity", "engine_moe", "learner_moe"}
 
@@ -241,6 +250,8 @@ SMOKES: dict[str, Smoke] = {
     "broadcast": Smoke(("broadcast.py", "--presets", "tiny", "--engines", "1", "--repeats", "1",
                         "--memcopy-repeats", "1", "--lora"), _broadcast, covers=("broadcast_lora",)),
     "learner_step": Smoke(("learner_step.py", *TINY_BATCH), _learner_step),
+    "learner_step_vocab": Smoke(("learner_step.py", "--vocab", "32768", "--samples", "8", "--response-len", "96",
+                                 "--threads", "1"), _learner_step_vocab, covers=("_vocab_memory",)),
     "longtail_steps": Smoke(("longtail_steps.py",), _longtail_steps, prepare=_countdown_pool),
     # Every check of the GPU machine's run that the CPU can do (~25 s); gpu_check.sh itself: test above.
     "gpu_check": Smoke(("gpu_check.py", "--cpu", "--steps", "1", "--new-tokens", "4"), _gpu_check),

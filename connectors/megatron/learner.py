@@ -16,8 +16,9 @@ whole mini-batch, however it was cut. A step whose loss or gradient norm is not 
 optimizer and LR schedule untouched) and counted.
 
 Precision (`dtype`, recipe learner.dtype): fp32, or bf16 parameters and activations with fp32 main
-parameters in the optimizer. Either way log-probs, ratios and losses are computed in fp32: the
-logits are upcast before the softmax (mcore_batch.logprobs_and_entropy).
+parameters in the optimizer. Either way log-probs, ratios and losses are computed in fp32: each chunk of
+the logits is upcast before the softmax (vocab_parallel.chosen_logprobs: vocab-parallel under TP, no
+fp32 copy of the logits kept for autograd).
 
 Parallelism (connectors/megatron/parallel.py): tensor, pipeline and data parallel ranks. Every
 forward and backward goes through megatron's `get_forward_backward_func` schedule (1F1B when
@@ -42,10 +43,11 @@ from typing import Any
 import torch
 
 from streamrl.connectors.megatron import lora, routing
-from streamrl.connectors.megatron.batch import TokenBatch, balanced_split, logprobs_and_entropy, plan_micro_batches
+from streamrl.connectors.megatron.batch import TokenBatch, balanced_split, plan_micro_batches
 from streamrl.connectors.megatron.model import hf_weights, load_model
 from streamrl.connectors.megatron.optimizer import Optimizer
 from streamrl.connectors.megatron.parallel import Parallel, init_distributed
+from streamrl.connectors.megatron.vocab_parallel import chosen_logprobs, defer_output_layer, hidden_states, output_weight
 from streamrl.core.algorithms import aggregation_units, offpolicy
 from streamrl.core.algorithms.objective import LossInputs, RLConfig
 from streamrl.core.algorithms.step import loss_inputs, micro_batch_loss
@@ -82,6 +84,9 @@ class MegatronLearner:
         self.dtype = DTYPES[dtype]  # bf16: mixed precision (fp32 main params and gradients: optimizer.py)
         self.model, self.bridge = load_model(model_dir, self.dtype, moe)  # with pp > 1: this stage's chunk
         self.ref = load_model(model_dir, self.dtype, moe)[0].eval() if with_reference else None
+        for m in (self.model, self.ref):
+            if m is not None and getattr(m, "post_process", False):
+                defer_output_layer(m)
         # MoE: every router answers through a RowReplay (routing.py), which replays the engine's
         # routing when `routing_replay` and counts how often the learner's own choice differs
         self.moe = bool(self.bridge.config.num_moe_experts)
@@ -126,19 +131,24 @@ class MegatronLearner:
 
     # ------------------------------------------------------------ pieces
 
-    def _logp(self, logits: torch.Tensor, batch: TokenBatch, temperature: float,
-              with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return logprobs_and_entropy(self.par.gather_vocab(logits), batch.ids, temperature, with_entropy)
+    def _logp(self, hidden: torch.Tensor, batch: TokenBatch, temperature: float, with_entropy: bool = False,
+              model: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) of `batch`'s targets from the last stage's hidden states of `model` (the
+        policy unless given), its output layer applied in chunks (vocab_parallel.py)."""
+        model = self.model if model is None else model
+        return chosen_logprobs(hidden, output_weight(model), batch.ids, temperature, with_entropy,
+                               self.par.tp_group if self.par.tp > 1 else None)
 
     def _run(self, chunk: Any, b: TokenBatch) -> torch.Tensor:
         """The model (or this stage's chunk) on one micro-batch, its routers given the batch's routing."""
         routing.set_batch(self._replays + self._ref_replays, b.routing, b.routing_known)
-        return chunk(b.ids, b.positions, b.attn_mask)
+        with hidden_states(chunk):  # the last stage: hidden states, for _logp (no [tokens, vocab] logits)
+            return chunk(b.ids, b.positions, b.attn_mask)
 
     def _forward(self, model: Any, batch: TokenBatch, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole model's log-probs (pp = 1 only: a stage alone has no logits)."""
-        return self._logp(self._run(model, batch), batch, temperature, with_entropy)
+        return self._logp(self._run(model, batch), batch, temperature, with_entropy, model)
 
     def _logprobs(self, model: Any, batches: Sequence[TokenBatch], temperature: float,
                   every_stage: bool) -> list[torch.Tensor | None]:
@@ -147,7 +157,7 @@ class MegatronLearner:
         def step(chunk: Any, i: int) -> tuple[torch.Tensor, None]:
             b = batches[i]
             out = self._run(chunk, b)
-            return (self._logp(out, b, temperature)[0] if self.par.last_stage else out), None
+            return (self._logp(out, b, temperature, model=model)[0] if self.par.last_stage else out), None
 
         with torch.no_grad():
             got = self.par.run_schedule(model, batches, step, forward_only=True)

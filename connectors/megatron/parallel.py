@@ -5,8 +5,9 @@ Expert parallelism (EP, MoE models) lives inside DP: megatron's MoE layers excha
 the expert group and its DDP reduces expert gradients over the expert-data-parallel ranks.
 
 Layout (megatron's order): ranks are grouped tp-fastest, then dp, then pp; world = tp * pp * dp.
-- TP: the output layer is vocab-parallel; `gather_vocab` all-gathers the logits so every TP
-  rank computes the same loss, and the gradient of a rank's shard is its slice.
+- TP: the output layer is vocab-parallel; the log-probs are computed on each rank's shard with
+  the softmax's max and sums all-reduced (vocab_parallel.py), so every TP rank computes the same
+  loss and the gradient of a rank's shard is its slice.
 - PP: `run_schedule` calls `get_forward_backward_func()` (1F1B for pp > 1, the plain loop for
   pp = 1) on this stage's GPTModel chunk. Only the last stage sees logits: it computes the loss
   and the log-probs, and `from_last_stage` hands tensors/numbers to the other stages so every
@@ -64,21 +65,6 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
         cpu_shim.seed_cpu(seed)
 
 
-class _GatherVocab(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
-        parts = [torch.empty_like(shard) for _ in range(ctx.size)]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # Every TP rank computes the same loss: the gradient of a shard is its slice, not a sum
-        # (which would count the loss once per rank).
-        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
-
-
 class Parallel:
     """This rank's place in the TP x PP x DP layout (from megatron's parallel state) and the
     collectives the learner needs. Every method is collective over the group it names."""
@@ -96,9 +82,6 @@ class Parallel:
         self.rank = dist.get_rank()
 
     # ------------------------------------------------------------ forward
-
-    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        return _GatherVocab.apply(logits, self.tp_group) if self.tp > 1 else logits
 
     def run_schedule(self, model: Any, batches: Sequence[Any], step: Callable[[Any, int], tuple[Any, Any]],
                      forward_only: bool) -> list[Any]:

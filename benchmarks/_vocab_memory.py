@@ -1,0 +1,105 @@
+"""`learner_step.py --vocab V`: the peak memory of one RL step of the megatron learner per 1k tokens at a
+real vocabulary: the output layer and the log-probs computed in chunks (connectors/megatron/vocab_parallel.py)
+against the learner as it was, the model's logits and the full-vocabulary computation on them
+(batch.logprobs_and_entropy, `--reference`). Each side runs in a process of its own (freed memory stays in
+a process's RSS): model build, one untimed step, VmHWM reset, one measured step.
+
+figures (vocab_memory):
+  vocab, hidden_size, dtype, tokens   the model (the tiny preset's layers at this vocabulary) and the batch
+  chunked / reference                 one side each:
+      peak_rss_mb_per_1k_tokens       (VmHWM over the measured step - RSS before it) / tokens * 1000
+      step_peak_extra_mb              the same, not divided
+      loss, grad_norm                 the measured step's (the two sides train the same batch from the same weights)
+  chunked_over_reference              the ratio of peak_rss_mb_per_1k_tokens (the issue's target: <= 0.25)
+  loss_abs_diff, grad_norm_rel_diff   between the sides
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} is not in /proc/self/status")
+
+
+def build_model_dir(out: Path, vocab: int) -> Path:
+    """The tiny preset's layers with a `vocab`-token embedding (tied), random weights; the tokenizer is the
+    kit's small one (the batch is random ids below `vocab`: the learner never tokenizes)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from streamrl.connectors.megatron.model_kit import PRESETS, build_tokenizer
+
+    tok = build_tokenizer(seed=0)
+    cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=10000.0,
+                      torch_dtype="float32", bos_token_id=None, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, **PRESETS["tiny"])
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def one_side(args: argparse.Namespace) -> dict[str, Any]:
+    """In this process: one warm-up step, then the measured one."""
+    import torch
+
+    from benchmarks._learner import make_batch
+    from streamrl.connectors.megatron import learner as learner_module
+    from streamrl.connectors.megatron.batch import logprobs_and_entropy
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_single_process
+
+    if args.reference:  # the learner as it was: the model's logits, then the full-vocabulary computation (tp = 1)
+        learner_module.defer_output_layer = lambda model: None
+        MegatronLearner._logp = lambda self, logits, b, t, e=False, model=None: logprobs_and_entropy(logits, b.ids, t, e)
+    torch.set_num_threads(args.threads)
+    init_single_process()
+    with tempfile.TemporaryDirectory(dir=REPO / "runs") as d:
+        learner = MegatronLearner(build_model_dir(Path(d), args.vocab), lr=1e-6, micro_batch_size=args.micro_batch_size,
+                                  dtype=args.dtype)
+    samples = make_batch(args, args.vocab)
+    tokens = sum(len(s.prompt) + len(s.response) for s in samples)
+    cfg = RLConfig()
+    learner.rl_step(samples, cfg)
+    before = _rss("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    r = learner.rl_step(samples, cfg)
+    extra = (_rss("VmHWM") - before) / 2**20
+    return {"peak_rss_mb_per_1k_tokens": round(extra / tokens * 1000, 1), "step_peak_extra_mb": round(extra, 1),
+            "tokens": tokens, "loss": float(r["loss"]), "grad_norm": float(r["grad_norm"])}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both sides (or the reference alone), each in a fresh process running this module's `one_side`."""
+    sides = ["reference"] if args.reference else ["chunked", "reference"]
+    out: dict[str, Any] = {"vocab": args.vocab, "dtype": args.dtype, "hidden_size": 64, "samples": args.samples,
+                           "micro_batch_size": args.micro_batch_size}
+    for side in sides:
+        cmd = [sys.executable, str(REPO / "benchmarks" / "learner_step.py"), "--vocab", str(args.vocab), "--one-side",
+               "--dtype", args.dtype, "--samples", str(args.samples), "--group-size", str(args.group_size),
+               "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
+               "--micro-batch-size", str(args.micro_batch_size), "--threads", str(args.threads)]
+        print(f"vocab_memory: {side} side, vocab {args.vocab}, {args.dtype}", file=sys.stderr, flush=True)
+        res = subprocess.run(cmd + (["--reference"] if side == "reference" else []), capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        if res.returncode:
+            raise SystemExit(f"vocab_memory: the {side} side failed:\n{res.stderr[-3000:]}")
+        out[side] = json.loads(res.stdout.strip().splitlines()[-1])
+    out["tokens"] = out[sides[0]]["tokens"]
+    if len(sides) == 2:
+        c, r = out["chunked"], out["reference"]
+        out["chunked_over_reference"] = round(c["peak_rss_mb_per_1k_tokens"] / r["peak_rss_mb_per_1k_tokens"], 3)
+        out["loss_abs_diff"] = float(f"{abs(c['loss'] - r['loss']):.2e}")
+        out["grad_norm_rel_diff"] = float(f"{abs(c['grad_norm'] - r['grad_norm']) / max(r['grad_norm'], 1e-12):.2e}")
+    return out
