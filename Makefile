@@ -44,7 +44,7 @@ quickstart: $(STAMP)
 # engine and CLI process the tests start would compile the project's modules again.
 test: $(STAMP) browser sglang
 	$(BIN)/python -m compileall -q streamrl connectors pools recipes benchmarks tests >/dev/null
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-sglang runs

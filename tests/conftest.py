@@ -138,9 +138,20 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
-# The long end-to-end files first: xdist's --dist loadfile hands files out in collection order, and these
-# (minutes each), collected last, left one core idle for the suite's final ~9 minutes (2026-11-28).
-SLOW_FIRST = ("test_stream_e2e.py", "test_resume_e2e.py", "test_cluster_e2e.py", "test_benchmarks.py")
+# The long files first, longest first (their summed test seconds in a --durations=0 run, 2026-12-02): xdist's
+# --dist loadfile hands files out in collection order only with --no-loadscope-reorder (the Makefile passes it);
+# by default it reorders them by their number of tests, which put the one-test SGLang resume file (~300 s) last.
+SLOW_FIRST = ("test_stream_e2e.py",  # 615 s
+              "test_resume_e2e.py",  # 575
+              "test_benchmarks.py",  # 375
+              "test_cluster_e2e.py",  # 366
+              "test_resume_sglang_e2e.py",  # 316
+              "test_engine_contract.py",  # 235
+              "test_mcore_learner.py",  # 201
+              "test_env_e2e.py",  # 196
+              "test_mcore_checkpoint_layouts.py", "test_slime_e2e.py", "test_replay_e2e.py",  # ~160 each
+              "test_parallel_e2e.py", "test_pool_processes.py", "test_shared_machine_e2e.py",  # ~145
+              "test_packaging.py", "test_mcore_parallel.py", "test_pool_export_e2e.py")  # ~115-155
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
