@@ -128,3 +128,20 @@ def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float, what: str =
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def rss_bytes(field: str) -> int:
+    """VmRSS / VmHWM of this process (Linux), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} is not in /proc/self/status")
+
+
+def reset_peak_rss() -> bool:
+    """Start VmHWM again from the current RSS (Linux >= 4.0); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True

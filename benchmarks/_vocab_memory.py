@@ -25,41 +25,29 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from benchmarks._learner import make_batch
+from benchmarks._common import reset_peak_rss, rss_bytes
+from streamrl.connectors.megatron import learner as learner_module
+from streamrl.connectors.megatron.batch import logprobs_and_entropy
+from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_single_process
+from streamrl.connectors.megatron.model_kit import build_model, build_tokenizer
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _rss(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} is not in /proc/self/status")
 
 
 def build_model_dir(out: Path, vocab: int) -> Path:
     """The tiny preset's layers with a `vocab`-token embedding (tied), random weights; the tokenizer is the
     kit's small one (the batch is random ids below `vocab`: the learner never tokenizes)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from streamrl.connectors.megatron.model_kit import PRESETS, build_tokenizer
-
     tok = build_tokenizer(seed=0)
-    cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      torch_dtype="float32", bos_token_id=None, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, **PRESETS["tiny"])
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    build_model(tok, "tiny", vocab_size=vocab).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
 
 def one_side(args: argparse.Namespace) -> dict[str, Any]:
     """In this process: one warm-up step, then the measured one."""
-    import torch
-
-    from benchmarks._learner import make_batch
-    from streamrl.connectors.megatron import learner as learner_module
-    from streamrl.connectors.megatron.batch import logprobs_and_entropy
-    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_single_process
-
     if args.reference:  # the learner as it was: the model's logits, then the full-vocabulary computation (tp = 1)
         learner_module.defer_output_layer = lambda model: None
         MegatronLearner._logp = lambda self, logits, b, t, e=False, model=None: logprobs_and_entropy(logits, b.ids, t, e)
@@ -72,10 +60,11 @@ def one_side(args: argparse.Namespace) -> dict[str, Any]:
     tokens = sum(len(s.prompt) + len(s.response) for s in samples)
     cfg = RLConfig()
     learner.rl_step(samples, cfg)
-    before = _rss("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    before = rss_bytes("VmRSS")
+    if not reset_peak_rss():
+        raise SystemExit("vocab_memory: /proc/self/clear_refs cannot reset the peak RSS here (Linux >= 4.0 needed)")
     r = learner.rl_step(samples, cfg)
-    extra = (_rss("VmHWM") - before) / 2**20
+    extra = (rss_bytes("VmHWM") - before) / 2**20
     return {"peak_rss_mb_per_1k_tokens": round(extra / tokens * 1000, 1), "step_peak_extra_mb": round(extra, 1),
             "tokens": tokens, "loss": float(r["loss"]), "grad_norm": float(r["grad_norm"])}
 

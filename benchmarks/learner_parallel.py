@@ -43,28 +43,11 @@ from streamrl.connectors.megatron.model_kit import init_model_dir  # noqa: E402
 from streamrl.connectors.ports import listen_socket, port_of  # noqa: E402
 from streamrl.connectors.sglang import weight_sync  # noqa: E402
 
-from benchmarks._common import wait_all  # noqa: E402
+from benchmarks._common import reset_peak_rss, rss_bytes, wait_all  # noqa: E402
 from benchmarks._learner import layout_name, make_batch  # noqa: E402
 
 RANK_TIMEOUT_S = 3600  # a whole layout run at most; a rank that fails ends the others at once (wait_all)
 PARAMS_7B = 7.6e9  # Qwen2.5-7B's parameters: the memory figures are extrapolated to it
-
-
-def _status_bytes(field: str) -> int:
-    """VmRSS / VmHWM of this process (Linux), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} is not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    """Start VmHWM again from the current RSS (Linux >= 4.0); False where it cannot."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
 
 
 def publish(learner: MegatronLearner, rank: int, snapshot: bool) -> dict[str, torch.Tensor] | None:
@@ -135,7 +118,7 @@ def rank_main() -> None:
     init_distributed(rank, world, tp=a.tp, pp=a.pp, seed=0, port=port, listen_fd=fd if rank == 0 else None)
     model_dir = Path(a.work) / a.preset
     config = AutoConfig.from_pretrained(str(model_dir))
-    baseline = _status_bytes("VmRSS")  # imports and process group, no model yet
+    baseline = rss_bytes("VmRSS")  # imports and process group, no model yet
     learner = MegatronLearner(model_dir, lr=a.lr, grad_clip=1.0, micro_batch_size=a.micro_batch_size,
                               distributed_optimizer=bool(a.distopt), max_tokens_per_micro_batch=a.max_tokens,
                               dtype=a.dtype)
@@ -148,7 +131,7 @@ def rank_main() -> None:
         snap = publish(learner, rank, a.snapshot)
         if w == 0:
             first = {k: float(r[k]) for k in ("loss", "grad_norm", "entropy")}
-    reset = _reset_peak()
+    reset = reset_peak_rss()
     times, publish_s = [], []
     for _ in range(a.steps):
         dist.barrier()  # time the step, not the wait for the slowest rank's previous one
@@ -161,7 +144,7 @@ def rank_main() -> None:
     params = sum({name: t.numel() for name, t in learner.hf_weights()}.values())  # the whole model (collective)
     print(json.dumps({"step_s": times, "publish_s": publish_s, "state_bytes": learner.state_bytes(), "first": first,
                       "tokens": sum(len(s.prompt) + len(s.response) for s in samples),
-                      "baseline_rss_bytes": baseline, "peak_rss_bytes": _status_bytes("VmHWM"), "peak_reset": reset,
+                      "baseline_rss_bytes": baseline, "peak_rss_bytes": rss_bytes("VmHWM"), "peak_reset": reset,
                       "parameters": params,
                       "grad_bytes": sum(p.main_grad.numel() * p.main_grad.element_size() for p in learner.params
                                         if getattr(p, "main_grad", None) is not None),

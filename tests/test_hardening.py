@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from streamrl.connectors import auth
 from streamrl.connectors.auth import ADMIN_PATHS, Keys, create_private, write_private
 from streamrl.connectors.sglang.client import EngineError, SGLangClient, retryable
 
@@ -70,8 +71,6 @@ def test_a_private_file_is_replaced_whole_never_truncated_in_place(tmp_path):
 
 def test_a_private_file_created_twice_keeps_the_first_text_and_both_read_it(tmp_path, monkeypatch):
     """The producer token: of two creators, the second reads the first one's whole token, never an empty file."""
-    import streamrl.connectors.auth as auth
-
     path = tmp_path / "producer_token"
     seen: list[int] = []
     real_link = auth.os.link

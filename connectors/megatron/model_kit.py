@@ -100,7 +100,9 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> Any:
     return hf
 
 
-def build_model(tokenizer: Any, preset: str = "tiny", seed: int = 0) -> Any:
+def build_model(tokenizer: Any, preset: str = "tiny", seed: int = 0, vocab_size: int | None = None) -> Any:
+    """A random model of `preset`'s shape; `vocab_size`: a larger embedding than the tokenizer's (the
+    real-vocabulary memory benchmark)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -112,7 +114,7 @@ def build_model(tokenizer: Any, preset: str = "tiny", seed: int = 0) -> Any:
                              "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
     extra = dict(decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[]) if arch == "qwen3_moe" else {}
     cfg = config_cls(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,

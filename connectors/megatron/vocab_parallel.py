@@ -39,6 +39,11 @@ def chunk_rows(vocab_shard: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_shard))
 
 
+def _logits(rows: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """One chunk's logits / T in fp32, the matmul in the model's dtype (as megatron's output layer)."""
+    return (rows @ weight.t()).float() / temperature
+
+
 class _ChosenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: float,
@@ -56,7 +61,7 @@ class _ChosenLogprobs(torch.autograd.Function):
         logp, ent = torch.empty_like(lse), torch.empty_like(lse)
         for lo in range(0, b * t, rows_per_chunk):
             hi = min(lo + rows_per_chunk, b * t)
-            x = (flat[lo:hi] @ weight.t()).float() / temperature
+            x = _logits(flat[lo:hi], weight, temperature)
             m = x.max(-1).values
             if group is not None:
                 dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
@@ -91,7 +96,7 @@ class _ChosenLogprobs(torch.autograd.Function):
             gl, gh = rows(g_logp), rows(g_ent)
             for lo in range(0, b * t, ctx.rows):
                 hi = min(lo + ctx.rows, b * t)
-                x = (flat[lo:hi] @ weight.t()).float() / temp
+                x = _logits(flat[lo:hi], weight, temp)
                 p = torch.exp(x - lse[lo:hi, None])
                 g = torch.zeros_like(x)
                 if gl is not None:
