@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from streamrl.pools import RECORDED_RECIPE, NoPool, PoolError, open_pool
 from streamrl.recipe import Recipe, dump_recipe, load_recipe
-from streamrl.runtime import RunFailed, RunLost, loop
+from streamrl.runtime import RunFailed, RunLost, faultpoint, loop
 from streamrl.runtime.user_code import MODULES_FILE, load_run_recipe, record_modules
 from streamrl.runtime.services import Services
 from streamrl.runtime.steps import Steps
@@ -138,7 +138,7 @@ def holds_run(d: Path) -> bool:
 
 def _clear(d: Path) -> None:
     """--overwrite: remove the files an earlier run left in `d` (and nothing else)."""
-    for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json", RECIPE, "frozen_at", MODULES_FILE,
+    for name in ("metrics.jsonl", "eval.jsonl", "events.jsonl", "run.log", "summary.json", RECIPE, faultpoint.FROZEN, faultpoint.THAW, MODULES_FILE,
                  "endpoints.json", "producer_token", "producer.json", "producer.lock"):
         (d / name).unlink(missing_ok=True)
     for name in ("pool", "checkpoints", "weights", "model", "adapter", "sft_model", "logs", "report"):
@@ -230,7 +230,8 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, progress: bo
                              "dataset positions of this run were made with the old value; start a new run instead")
     if overrides:
         (d / RECIPE).write_text(dump_recipe(r))
-    (d / "frozen_at").unlink(missing_ok=True)
+    for name in (faultpoint.FROZEN, faultpoint.THAW):
+        (d / name).unlink(missing_ok=True)
     return _run(r, d, progress, resume=True)
 
 
