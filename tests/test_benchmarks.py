@@ -114,6 +114,11 @@ def _learner_step(d: dict[str, Any]) -> None:
     assert agree["grad_norm_rel_diff"] < 1e-3 and math.isfinite(agree["megatron"]["loss"]), agree
 
 
+def _export_memory(d: dict[str, Any]) -> None:
+    assert d["benchmark"] == "export_memory" and d["files_equal"] is True and d["params"] > 0, d
+    assert all(d[side]["peak_extra_mb"] >= 0 for side in ("streamed", "reference")), d
+
+
 def _learner_step_vocab(d: dict[str, Any]) -> None:
     m = d["vocab_memory"]
     for side in ("chunked", "reference"):
@@ -252,6 +257,7 @@ SMOKES: dict[str, Smoke] = {
     "learner_step": Smoke(("learner_step.py", *TINY_BATCH), _learner_step),
     "learner_step_vocab": Smoke(("learner_step.py", "--vocab", "32768", "--samples", "8", "--response-len", "96",
                                  "--threads", "1"), _learner_step_vocab, covers=("_vocab_memory",)),
+    "export_memory": Smoke(("export_memory.py", "--preset", "tiny", "--shard-mb", "1"), _export_memory),
     "longtail_steps": Smoke(("longtail_steps.py",), _longtail_steps, prepare=_countdown_pool),
     # Every check of the GPU machine's run that the CPU can do (~25 s); gpu_check.sh itself: test above.
     "gpu_check": Smoke(("gpu_check.py", "--cpu", "--steps", "1", "--new-tokens", "4"), _gpu_check),

@@ -13,6 +13,7 @@ STEPS = """
     import sys, json, random, torch
     from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, Sample, init_single_process
     from streamrl.connectors.megatron import checkpoint as mc
+    from streamrl.connectors.megatron.hf_export import export_hf
     model_dir, out = sys.argv[1], sys.argv[2]
     init_single_process(0)
     rng = random.Random(0)
@@ -32,7 +33,7 @@ STEPS = """
                    "exported": sorted({str(t.dtype) for t in L.hf_state_dict().values()}),
                    "bytes": L.state_bytes()}
         if dt == "bf16":
-            path = mc.export_hf(L, model_dir, f"{out}/hf")
+            path = export_hf(L.hf_weights(), model_dir, f"{out}/hf")
             res["config"] = json.load(open(f"{path}/config.json"))
             from safetensors import safe_open
             with safe_open(f"{path}/model.safetensors", "pt") as f:

@@ -334,14 +334,14 @@ EXPORT = """
     import sys, json, torch
     from streamrl.connectors.megatron.learner import MegatronLearner, init_single_process
     from streamrl.connectors.megatron.batch import TokenBatch
-    from streamrl.connectors.megatron import checkpoint as mc
+    from streamrl.connectors.megatron.hf_export import export_hf
     model_dir, out, logits_file = sys.argv[1:4]
     init_single_process()
     learner = MegatronLearner(model_dir, lr=1e-2)
     for _ in range(2):  # move the weights away from the base model's
         learner.sft_step([([5, 6, 7], [8, 9, 2]), ([11, 12, 13], [14, 15, 2])])
-    mc.export_hf(learner, model_dir, out)
-    mc.export_hf(learner, model_dir, out)  # again: replaces the directory atomically
+    export_hf(learner.hf_weights(), model_dir, out)
+    export_hf(learner.hf_weights(), model_dir, out)  # again: replaces the directory atomically
     b = TokenBatch([([1, 2, 3, 4], [5, 6, 7, 8]), ([40, 41, 42, 43], [44, 45, 46, 47])])
     learner.model.eval()
     with torch.no_grad():

@@ -1,5 +1,5 @@
-"""Learner checkpoints: model + optimizer + scheduler + RNG + policy version, saved atomically;
-and an HF `save_pretrained` export of the current weights.
+"""Learner checkpoints: model + optimizer + scheduler + RNG + policy version, saved atomically
+(the HF export, written with the same atomic directory install, is connectors/megatron/hf_export.py).
 
 Layout under a checkpoint root:
 
@@ -50,7 +50,7 @@ Damage. `load_checkpoint` checks every file against the manifest (presence, size
 before touching the learner and raises `CheckpointError` naming the file; the learner is
 restored only from a checkpoint that verified completely.
 
-Long file: atomic save, collective load, retention and the HF export share one on-disk layout and its crash points.
+Long file: atomic save, collective load and retention share one on-disk layout and its crash points.
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ import torch
 import torch.distributed as dist
 
 from streamrl.connectors.megatron import sharded as ms
-from streamrl.connectors.sglang.expert_weights import expert_views, fused_name
 
 T = TypeVar("T")
 
@@ -122,9 +121,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _tmp_sibling(path: Path) -> Path:
+    """A name beside `path` for writing what becomes `path` (`_clean_leftovers` knows it: pid and a nonce)."""
+    return path.with_name(f"{_TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     """Replace `path` with `text`: temp file + fsync + rename + fsync of the directory."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = _tmp_sibling(path)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -405,7 +409,7 @@ def save_checkpoint(learner: Any, root: str | Path, extra: dict | None = None,
     def begin() -> str:
         root.mkdir(parents=True, exist_ok=True)
         _clean_leftovers(root)
-        tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = _tmp_sibling(final)
         (tmp / "sharded").mkdir(parents=True)
         (tmp / "rng").mkdir()
         return str(tmp)
@@ -548,60 +552,3 @@ def load_checkpoint(learner: Any, root: str | Path, step: int | None = None, che
                       "rank 0's python / numpy / torch CPU RNG state; device and model-parallel RNG states "
                       "were not restored", stacklevel=2)
     return meta["extra"]
-
-
-# ---------------------------------------------------------------- HF export
-
-_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                    "chat_template.*", "*.tiktoken", "generation_config.json")
-
-
-def export_hf(learner: Any, base_model_dir: str | Path, out_dir: str | Path,
-              state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write the learner's current weights (or `state`, HF names) as an HF `save_pretrained`
-    directory (config from `base_model_dir`, its tokenizer and generation config copied),
-    atomically: a temporary sibling directory renamed into place (replacing an existing `out_dir`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    base, out = Path(base_model_dir), Path(out_dir)
-    sd = learner.hf_state_dict() if state is None else state
-    cfg = AutoConfig.from_pretrained(str(base))
-    dtype = next((t.dtype for t in sd.values() if t.is_floating_point()), torch.float32)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    own = model.state_dict()
-    # MoE: the learner's per-expert names (the HF files') fill transformers' fused expert tensors
-    plain, views, unexpected = expert_views(sd, own)
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    filled = set(plain) | {fused_name(name) for name, _, _ in views}
-    missing = sorted(set(own) - filled - ({"lm_head.weight"} if tied else set()))
-    if unexpected or missing:
-        raise ValueError(f"learner weights do not match {type(model).__name__} from {base}: "
-                         f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                         f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
-    model.load_state_dict(plain, strict=False)
-    with torch.no_grad():
-        for _, view, t in views:
-            view.copy_(t)
-    if tied:
-        model.tie_weights()
-        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        if emb.data_ptr() != head.data_ptr():
-            raise RuntimeError("tie_word_embeddings is set but lm_head is not tied to the embedding")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(out.parent, out.name)  # only this export's leftovers: the parent may be shared
-    tmp = out.with_name(f"{_TMP_PREFIX}{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        model.save_pretrained(str(tmp))
-        for pattern in _TOKENIZER_FILES:
-            for f in base.glob(pattern):
-                if f.is_file():
-                    shutil.copy2(f, tmp / f.name)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                _fsync_path(f)
-        _fsync_path(tmp)
-        _install_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out

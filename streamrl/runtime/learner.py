@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.connectors.megatron import checkpoint as megatron_checkpoint
+from streamrl.connectors.megatron import hf_export
 from streamrl.connectors.megatron.learner import MegatronLearner, Sample, init_distributed
 from streamrl.connectors.megatron.lora import write_peft_dir
 from streamrl.connectors.ports import bind_host
@@ -125,8 +126,7 @@ class WeightSource:
             if not self.sends:
                 self._gather_only(self.hf_weights(base))
                 return str(out_dir)
-            state = {name: t.to("cpu") for name, t in self.hf_weights(base)}
-            return str(megatron_checkpoint.export_hf(self, self.model_dir, out_dir, state=state))
+            return str(hf_export.export_hf(self.hf_weights(base), self.model_dir, out_dir))  # a shard at a time
 
     def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
         with self._lock:
@@ -375,11 +375,6 @@ class LearnerDriver(WeightSource):
         takes every item); take the items under the lock, before a step changes the weights.
         With LoRA merged, or with `base` the base alone."""
         return self.learner.hf_weights(merged=not base)
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """All of them in host memory (the HF export): each to the host as it is gathered, not a
-        second model on the GPU (on CPU: the parameters themselves where tp = 1, read under the lock)."""
-        return {name: t.to("cpu") for name, t in self.hf_weights()}
 
     def export(self, out_dir: str, version: int | None = None, base: bool = False) -> str:
         """`WeightSource.export`; `version`: the one the caller means (a background evaluation's),

@@ -1,6 +1,6 @@
 """`streamrl model merge-lora BASE ADAPTER OUT`: an HF model directory whose weights are BASE's with
 a PEFT LoRA adapter merged in (W + lora_alpha / r * B A for each adapted module), written as the
-run's own HF exports are (connectors/megatron/checkpoint.py `export_hf`: config and tokenizer of
+run's own HF exports are (connectors/megatron/hf_export.py `export_hf`: config and tokenizer of
 BASE, atomic). ADAPTER is what a LoRA run publishes: RUN_DIR/weights/lora-v<version>, or
 RUN_DIR/adapter at the end of the run; BASE the model the adapters were trained on (RUN_DIR/sft_model
 after an SFT warm-start, else the recipe's model.path). RUN_DIR/model of a LoRA run is this merge
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from streamrl.connectors.megatron.checkpoint import export_hf
+from streamrl.connectors.megatron.hf_export import export_hf
 from streamrl.connectors.sglang.engine_lora import read_peft_dir
 from streamrl.core import lora as names
 
@@ -38,4 +38,4 @@ def merge_lora(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
     if not base:
         raise ValueError(f"{base_dir} holds no *.safetensors weights")
     config, tensors = read_peft_dir(str(adapter_dir))
-    return export_hf(None, base_dir, out_dir, state=merged_state(base, config, tensors))
+    return export_hf(merged_state(base, config, tensors).items(), base_dir, out_dir)
