@@ -37,6 +37,7 @@ from streamrl.sim.plan import PlanError
 from streamrl.tools.from_slime import from_slime
 from streamrl.tools.init import init_project
 from streamrl.tools.plan import print_plan, run_plan
+from streamrl.tools.plan_memory import memory_plan, model_config, print_memory
 from streamrl.tools.report import report_command
 
 EPILOG = """examples:
@@ -158,7 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser(
         "plan", help="size a cluster for a run's workload: engine/learner split, staleness, partial rollout, schedule",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Read RUN_DIR's pool (the response lengths, how much of them each prompt explains) and its log "
+        description="With a recipe file: what each learner rank will hold for the model (weights, fp32 gradients, "
+                    "fp32 main copies, Adam, a reference model) at the recipe's dtype and layout, against --gpu-gb, "
+                    "before anything starts (activations not included). With a run directory: read RUN_DIR's pool (the response lengths, how much of them each prompt explains) and its log "
                     "(the recipe's batch and settings; with --calibrate, what each step took), simulate that workload "
                     "on --gpus GPUs in lockstep, one_step_off and stream (max_staleness 1/2/4/8, abort_resume and "
                     "restart) at three engine/learner splits, then the prompt schedules on the best, and print the "
@@ -167,12 +170,20 @@ def _parser() -> argparse.ArgumentParser:
                     "or `run`: the machine the run ran on. A first-order model (no KV-cache limit, no stragglers): "
                     "compare configurations with it, then measure the one you pick.",
         epilog="""examples:
+  streamrl plan recipes/gpu_qwen2.5_7b_math.yaml                 # GB per learner rank: does it fit?
+  streamrl plan recipes/gpu_qwen2.5_7b_math.yaml learner.parallel.tp=4 learner.num_gpus=8 --json
   streamrl plan runs/longtail --gpus 64                          # a 7B model on 64 H100s
   streamrl plan runs/longtail --gpus 512 --model-size 32b --groups-per-step 512 --n-samples 16
   streamrl plan W/lockstep --gpus 2 --model-size run --calibrate W/stream   # vs what the runs measured
 writes RUN_DIR/plan/plan.json and plan.png (or --out DIR)""")
-    pl.add_argument("run_dir", help="a run directory (streamrl run, or a benchmark's)")
-    pl.add_argument("--gpus", type=int, required=True, help="GPUs in all, engines and learner together")
+    pl.add_argument("run_dir", help="a run directory (streamrl run, or a benchmark's); or a recipe file: what each "
+                                    "learner rank will hold for the model (weights, gradients, optimizer), before launching")
+    pl.add_argument("overrides", nargs="*", metavar="key=value", help="with a recipe: overrides, as `streamrl run` takes")
+    pl.add_argument("--gpus", type=int, help="GPUs in all, engines and learner together (a run directory's plan)")
+    pl.add_argument("--model-config", metavar="FILE",
+                    help="with a recipe: the model's config.json, when model.path is not on this machine (the models "
+                         "the GPU recipes name are known without it)")
+    pl.add_argument("--gpu-gb", type=float, default=80.0, help="with a recipe: one learner GPU's memory (default 80)")
     pl.add_argument("--model-size", default="7b",
                     help="parameters in billions (1.5b, 7b, 32b, 72b, ...): H100 preset; or `run`: the run's own "
                          "machine, each GPU one of its devices (default %(default)s)")
@@ -454,7 +465,22 @@ def _dispatch(args: argparse.Namespace) -> int:
             return report_command(args.run_dir, args.out, args.json)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.cmd == "plan" and Path(args.run_dir).is_file():
+        recipe = load_recipe(args.run_dir, args.overrides, resolve=False)
+        try:
+            mem = memory_plan(recipe, *model_config(recipe.model.path, args.model_config), args.gpu_gb)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if args.json:
+            print(json.dumps(mem))
+        else:
+            print_memory(mem)
+        return 0
     if args.cmd == "plan":
+        if args.gpus is None:
+            raise UsageError("streamrl plan RUN_DIR needs --gpus N (a recipe file needs none)")
+        if args.overrides:
+            raise UsageError(f"streamrl plan RUN_DIR takes no overrides ({' '.join(args.overrides)}): they apply to a recipe")
         if args.gpus < 2:
             raise UsageError(f"--gpus {args.gpus}: a plan needs at least 2 (one learner GPU, one engine)")
         if args.steps < 4:
