@@ -615,11 +615,14 @@ def ray_head(log: Path, num_cpus: int, resources: str = "{}") -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def ray_node(address: str, log: Path, num_cpus: int, resources: str = "{}", kill: bool = False) -> Iterator[None]:
+def ray_node(address: str, log: Path, num_cpus: int, resources: str = "{}", kill: bool = False,
+             node_ip: str | None = None) -> Iterator[None]:
     """A second node of that cluster on this machine (`ray start --address`), stopped on exit;
-    `kill`: SIGKILLed at once, its raylet and every process on it (a node lost, not stopped)."""
+    `kill`: SIGKILLed at once, its raylet and every process on it (a node lost, not stopped);
+    `node_ip`: the address it registers (another loopback address, e.g. 127.0.0.2: a second host to Ray)."""
     with _ray_start([f"--address={address}", f"--num-cpus={num_cpus}", f"--resources={resources}",
-                     "--disable-usage-stats"], log, r"(Ray runtime started)", kill):
+                     "--disable-usage-stats", *([f"--node-ip-address={node_ip}"] if node_ip else [])],
+                    log, r"(Ray runtime started)", kill):
         yield
 
 

@@ -141,6 +141,23 @@ def test_a_run_on_a_two_node_cluster_places_learner_and_engines_and_ships_a_rewa
     assert means == {0.5}, means  # every sample scored by the shipped module
 
 
+@pytest.mark.slow
+def test_loopback_across_two_hosts_is_exit_2_naming_network_bind(tmp_path: Path) -> None:
+    """The engines' node registers another address (127.0.0.2: another host to Ray) than the driver's and the
+    learner's: with network.bind loopback the router could never reach the engines; the run stops once Ray
+    placed the groups, before an engine or a rank starts, saying to set network.bind: node."""
+    inputs = short_quickstart(tmp_path / "inputs")
+    place = ["placement.learner.resources={trainer: 1}", "placement.engines.resources={rollout: 1}"]
+    with ray_head(tmp_path / "head.log", num_cpus=2, resources='{"trainer": 2}') as address, \
+            ray_node(address, tmp_path / "node.log", num_cpus=3, resources='{"rollout": 4}', node_ip="127.0.0.2"):
+        res = run_streamrl(["run", str(REPO / "recipes" / "quickstart.yaml"), *inputs, *place, f"ray.address={address}",
+                            "--run-dir", str(tmp_path / "run"), "--quiet"], check=False, timeout_s=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "network.bind is loopback" in res.stderr and "set network.bind: node" in res.stderr, res.stderr[-3000:]
+    assert "the engines on 127.0.0.2" in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
 STEPS = 40  # ~0.15 s a step: a node dies with most of the run to go
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.core.capacity import GroupRequest, bundles, shortfall
+from streamrl.core.capacity import GroupRequest, bundles, loopback_problem, shortfall
 
 TWO_NODES = [{"CPU": 8, "GPU": 4, "trainer": 1}, {"CPU": 8, "GPU": 4}]
 
@@ -67,3 +67,14 @@ def test_placement_defaults() -> None:
     r = load_recipe("recipes/quickstart.yaml", ["placement.engines.strategy=SPREAD", "placement.learner.resources={trainer: 1}"])
     assert (r.placement.learner.strategy, r.placement.engines.strategy) == ("STRICT_PACK", "SPREAD")
     assert r.placement.learner.resources == {"trainer": 1.0} and r.placement.engines.resources == {}
+
+
+def test_loopback_on_more_than_one_host_names_network_bind_and_where_each_part_is() -> None:
+    one_host = {"the driver and the router": {"10.0.0.1"}, "the engines": {"10.0.0.1"}, "the learner's ranks": set()}
+    assert loopback_problem("loopback", one_host) is None
+    two = {"the driver and the router": {"10.0.0.1"}, "the engines": {"10.0.0.2", "10.0.0.1"},
+           "the learner's ranks": {"10.0.0.1"}}
+    problem = loopback_problem("loopback", two)
+    assert problem is not None and "set network.bind: node" in problem, problem
+    assert "the engines on 10.0.0.1, 10.0.0.2" in problem and "the driver and the router on 10.0.0.1" in problem
+    assert loopback_problem("node", two) is None  # each server binds its node's address: reachable

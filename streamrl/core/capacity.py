@@ -82,3 +82,15 @@ def shortfall(requests: Sequence[GroupRequest], nodes: Sequence[Resources]) -> s
                     return (f"{r.what} needs {_fmt(b)} on one node ({r.key}), but no node has that; the nodes "
                             f"have: {'; '.join(_fmt(n) for n in nodes)}")
     return None
+
+
+def loopback_problem(bind: str, hosts: Mapping[str, set[str]]) -> str | None:
+    """With `network.bind: loopback` every server (router, engines, the weight group's store) listens on
+    127.0.0.1 of its own machine, which no other machine reaches: a run whose parts landed on more than
+    one host (`hosts`: what -> the addresses of the nodes it runs on) could not connect them. None if it can."""
+    if bind != "loopback" or len(set().union(*hosts.values())) <= 1:
+        return None
+    where = "; ".join(f"{what} on {', '.join(sorted(ips))}" for what, ips in hosts.items() if ips)
+    return (f"network.bind is loopback (every server on 127.0.0.1), but the run's parts are on more than one host "
+            f"({where}): the router could not reach the engines nor the engines the weight group; set network.bind: "
+            "node (each server binds its node's cluster address, still behind the run's keys)")

@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from streamrl.core.capacity import GroupRequest, bundles, shortfall
+from streamrl.core.capacity import GroupRequest, bundles, loopback_problem, shortfall
 from streamrl.recipe import Recipe, learner_layout
 from streamrl.runtime import RunFailed
 
@@ -44,6 +44,23 @@ def check(groups: dict[str, GroupRequest]) -> None:
     """RunFailed (exit 2) when the cluster's nodes cannot hold the run's placement groups."""
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     problem = shortfall(list(groups.values()), nodes)
+    if problem:
+        raise RunFailed(f"placement: {problem}")
+
+
+def check_hosts(bind: str, groups: dict[str, Any]) -> None:
+    """RunFailed (exit 2) when `network.bind` is loopback but the placed groups (what -> placement group)
+    and this driver (the router's process) are on more than one host: checked once Ray placed them, before
+    any engine or rank starts."""
+    from ray.util import placement_group_table
+
+    ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    driver = ray.get_runtime_context().get_node_id()
+    hosts = {"the driver and the router": {ip.get(driver, driver)}}
+    for what, pg in groups.items():
+        if pg is not None:
+            hosts[what] = {ip.get(node, node) for node in placement_group_table(pg)["bundles_to_node_id"].values()}
+    problem = loopback_problem(bind, hosts)
     if problem:
         raise RunFailed(f"placement: {problem}")
 

@@ -115,6 +115,8 @@ class Services:
         for pg, what in ((self.learner.pg, "the learner's ranks"), (self.engines_pg, "the engines"),
                          (self.workers_pg, "the rollout workers")):
             await placement.ready(pg, what)
+        placement.check_hosts(r.network.bind, {"the learner's ranks": self.learner.pg, "the engines": self.engines_pg,
+                                               "the rollout workers": self.workers_pg})
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               host=NODE if node else LOOPBACK, keep_weights=r.engines.keep_weights,
