@@ -158,6 +158,42 @@ def test_loopback_across_two_hosts_is_exit_2_naming_network_bind(tmp_path: Path)
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
 
 
+RANKS_AT = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+print(json.dumps(sorted(ip.get(a["Address"]["NodeID"], "?") for a in ray._private.state.actors().values()
+                        if a["ActorClassName"] == "_Rank")))
+"""
+
+
+@pytest.mark.slow
+def test_learner_ranks_on_two_hosts_train_with_network_bind_node(tmp_path: Path) -> None:
+    """A data-parallel learner of two ranks, one on each node (STRICT_SPREAD; the second node registers
+    127.0.0.2, another host to Ray): they meet at a store on the driver's node address (network.bind: node),
+    train the run (SFT and RL steps, checkpoints every 2 steps from both ranks) and the ledger balances."""
+    inputs = short_quickstart(tmp_path / "inputs")
+    run = tmp_path / "run"
+    place = ["placement.learner.resources={trainer: 1}", "placement.learner.strategy=STRICT_SPREAD",
+             "placement.engines.resources={rollout: 1}", "learner.parallel.dp=2"]
+    with ray_head(tmp_path / "head.log", num_cpus=3, resources='{"trainer": 1, "rollout": 4}') as address, \
+            ray_node(address, tmp_path / "node.log", num_cpus=2, resources='{"trainer": 1}', node_ip="127.0.0.2"):
+        run_streamrl(["run", str(REPO / "recipes" / "quickstart.yaml"), *inputs, *place, f"ray.address={address}",
+                      "network.bind=node", "--run-dir", str(run), "--quiet"], run_dir=run, timeout_s=400)
+        ranks = subprocess.run([sys.executable, "-c", RANKS_AT, address], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "RAY_AUTH_MODE": "disabled"}, cwd="/")
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    head_ip = address.rpartition(":")[0]
+    assert json.loads(ranks.stdout.strip().splitlines()[-1]) == sorted([head_ip, "127.0.0.2"]), ranks.stdout
+    log = (run / "run.log").read_text()
+    assert "the learner's ranks on 127.0.0.2, " + head_ip in log or f"the learner's ranks on {head_ip}, 127.0.0.2" in log, \
+        log[:3000]
+    assert f"learner: 2 ranks meet at {head_ip}:" in log, log[:3000]  # the driver's node address, not loopback
+    assert assert_ledger_balanced(run)["ledger"]["consumed"] == 4 * 4
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")), list((run / "checkpoints").iterdir())
+
+
 STEPS = 40  # ~0.15 s a step: a node dies with most of the run to go
 
 

@@ -27,14 +27,15 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from streamrl.connectors.megatron import cpu_shim
-from streamrl.connectors.ports import tcp_store
+from streamrl.connectors.ports import LOOPBACK, tcp_store
 
 
 def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed: int = 0, *, ep: int = 1,
-                     port: int = 0, listen_fd: int | None = None) -> None:
+                     port: int = 0, listen_fd: int | None = None, host: str = LOOPBACK) -> None:
     """One learner rank: torch.distributed (gloo on CPU, NCCL on GPU), megatron parallel state
     with tensor parallel size `tp`, pipeline parallel size `pp` (data parallel = world_size /
-    (tp * pp)), CPU patches, seeds. The store is on 127.0.0.1 (connectors/ports.py): rank 0 serves
+    (tp * pp)), CPU patches, seeds. The store is on `host` (connectors/ports.py; 127.0.0.1 unless the
+    ranks span nodes: then the starter's node address, `network.bind: node`): rank 0 serves
     it on a socket it inherited (`listen_fd`, bound to `port` by whoever started the ranks) or,
     given no port, on one of its own; otherwise every rank connects to `port` (a store the
     starter serves: the learner group's driver). `ep`: expert parallel size of a mixture-of-experts
@@ -51,7 +52,7 @@ def init_distributed(rank: int, world_size: int, tp: int = 1, pp: int = 1, seed:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = tcp_store(world_size, rank=rank, port=port, listen_fd=listen_fd,
+        store = tcp_store(world_size, rank=rank, host=host, port=port, listen_fd=listen_fd,
                           serve=rank == 0 and (listen_fd is not None or not port))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():

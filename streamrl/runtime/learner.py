@@ -36,7 +36,7 @@ from streamrl.connectors.megatron import checkpoint as megatron_checkpoint
 from streamrl.connectors.megatron import hf_export
 from streamrl.connectors.megatron.learner import MegatronLearner, Sample, init_distributed
 from streamrl.connectors.megatron.lora import write_peft_dir
-from streamrl.connectors.ports import bind_host
+from streamrl.connectors.ports import LOOPBACK, bind_host
 from streamrl.connectors.sglang import weight_sync
 from streamrl.core import algorithms as alg
 from streamrl.core import credit
@@ -164,16 +164,16 @@ class WeightSource:
 
 class LearnerDriver(WeightSource):
     def __init__(self, recipe: Recipe, model_dir: str, pool: bool = True, *, rank: int = 0,
-                 store_port: int = 0) -> None:
+                 store_port: int = 0, store_host: str = LOOPBACK) -> None:
         """One rank of the learner: `rank` of tp * pp * dp (learner.parallel), joining the
-        process group through the store at `store_port` (0: a single process serves its own)."""
+        process group through the store at `store_host:store_port` (port 0: a single process serves its own)."""
         tp, pp, dp = learner_layout(recipe)
         self.rank, self.world = rank, tp * pp * dp
         if recipe.learner.cpus:  # ranks share out the cores when there are enough, else share them all
             os.sched_setaffinity(0, recipe.learner.cpus[rank::self.world] or recipe.learner.cpus)
         torch.set_num_threads(recipe.learner.threads)
         init_distributed(rank, self.world, tp=tp, pp=pp, ep=recipe.learner.parallel.ep, seed=recipe.run.seed,
-                         port=store_port)
+                         port=store_port, host=store_host)
         # Batches travel on the host: a gloo group even where training runs on NCCL.
         self._ctl = (dist.new_group(backend="gloo") if torch.cuda.is_available() else dist.group.WORLD) \
             if self.world > 1 else None

@@ -30,7 +30,7 @@ import msgspec
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from streamrl.connectors.ports import tcp_store
+from streamrl.connectors.ports import LOOPBACK, NODE, bind_host, tcp_store
 from streamrl.connectors.sglang.launcher import ensure_ray
 from streamrl.recipe import Recipe, learner_layout
 from streamrl.runtime import placement
@@ -46,14 +46,15 @@ class _Rank:
     start of every run on a CPU machine, before Ray is even up); every call reaches the LearnerDriver
     through `ordered` (collectives) or `call`."""
 
-    def __init__(self, recipe_json: bytes, model_dir: str, tokenizer_dir: str, rank: int, store_port: int) -> None:
+    def __init__(self, recipe_json: bytes, model_dir: str, tokenizer_dir: str, rank: int, store_port: int,
+                 store_host: str) -> None:
         from streamrl.runtime.learner import LearnerDriver, quiet_megatron  # in the actor only: see above
 
         quiet_megatron()
         self._turn = threading.Condition()
         self._next = 0
         self.driver = LearnerDriver(msgspec.json.decode(recipe_json, type=Recipe), model_dir, rank=rank,
-                                    store_port=store_port)
+                                    store_port=store_port, store_host=store_host)
         if self.driver.pool is not None:
             self.driver.pool.set_tokenizer(tokenizer_dir)  # `streamrl pool show` decodes with it
 
@@ -113,13 +114,16 @@ class LearnerGroup:
         if gpus and have < self.world:  # Ray would keep the group pending forever
             raise RuntimeError(f"the learner needs {self.world} GPU(s) (learner.parallel tp {tp} x pp {pp} x dp {dp}) "
                                f"but the Ray cluster has {have:g}")
-        self.store = tcp_store(self.world)  # the ranks' rendezvous; kept for the group's life (new_group uses it)
+        # The ranks' rendezvous, kept for the group's life (new_group uses it): on this node's cluster address
+        # when the ranks may be on other nodes (network.bind: node), else loopback
+        self.store_host = bind_host(NODE) if recipe.network.bind == "node" else LOOPBACK
+        self.store = tcp_store(self.world, host=self.store_host)
         self.pg = placement.group(placement.learner_request(recipe))
         # Threads: rank 0 joins the weight group and answers pool queries while a collective runs.
         cls = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0, max_concurrency=8)(_Rank)
         recipe_json = msgspec.json.encode(recipe)
         self.ranks = [cls.options(**placement.on(self.pg, i)).remote(recipe_json, model_dir, tokenizer_dir, i,
-                                                                     self.store.port)
+                                                                     self.store.port, self.store_host)
                       for i in range(self.world)]
         self._seq = itertools.count()
 

@@ -48,10 +48,10 @@ def check(groups: dict[str, GroupRequest]) -> None:
         raise RunFailed(f"placement: {problem}")
 
 
-def check_hosts(bind: str, groups: dict[str, Any]) -> None:
-    """RunFailed (exit 2) when `network.bind` is loopback but the placed groups (what -> placement group)
-    and this driver (the router's process) are on more than one host: checked once Ray placed them, before
-    any engine or rank starts."""
+def check_hosts(bind: str, groups: dict[str, Any]) -> dict[str, set[str]]:
+    """Where the placed groups (what -> placement group) and this driver (the router's process) are: what ->
+    the addresses of its nodes. RunFailed (exit 2) when `network.bind` is loopback but that is more than one
+    host: checked once Ray placed them, before any engine or rank starts."""
     from ray.util import placement_group_table
 
     ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
@@ -63,6 +63,7 @@ def check_hosts(bind: str, groups: dict[str, Any]) -> None:
     problem = loopback_problem(bind, hosts)
     if problem:
         raise RunFailed(f"placement: {problem}")
+    return hosts
 
 
 def group(req: GroupRequest) -> Any:

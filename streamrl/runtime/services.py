@@ -111,12 +111,16 @@ class Services:
             shutil.rmtree(self.dir / "weights", ignore_errors=True)  # exports of the stopped run
         self.learner = LearnerGroup(r, str(sft_dir) if sft_done else r.model.path,
                                     str(Path(r.model.tokenizer or r.model.path).resolve()))
+        if self.learner.world > 1:
+            self.log.info(f"learner: {self.learner.world} ranks meet at {self.learner.store_host}:{self.learner.store.port}")
         self.engines_pg, self.workers_pg = placement.group(groups["engines"]), placement.group(groups["workers"])
         for pg, what in ((self.learner.pg, "the learner's ranks"), (self.engines_pg, "the engines"),
                          (self.workers_pg, "the rollout workers")):
             await placement.ready(pg, what)
-        placement.check_hosts(r.network.bind, {"the learner's ranks": self.learner.pg, "the engines": self.engines_pg,
-                                               "the rollout workers": self.workers_pg})
+        hosts = placement.check_hosts(r.network.bind, {"the learner's ranks": self.learner.pg,
+                                                       "the engines": self.engines_pg, "the rollout workers": self.workers_pg})
+        if len(set().union(*hosts.values())) > 1:
+            self.log.info("placed on " + "; ".join(f"{what} on {', '.join(sorted(ips))}" for what, ips in hosts.items() if ips))
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               host=NODE if node else LOOPBACK, keep_weights=r.engines.keep_weights,
