@@ -34,7 +34,9 @@ def reached(point: str, run_dir: str | Path) -> None:
     if _seen[point] < int(nth or 1):
         return
     frozen, thaw = Path(run_dir, FROZEN), Path(run_dir, THAW)
-    frozen.write_text(f"{point}:{_seen[point]} pid {os.getpid()}\n")
+    tmp = frozen.with_name(f".{FROZEN}.{os.getpid()}")
+    tmp.write_text(f"{point}:{_seen[point]} pid {os.getpid()}\n")
+    tmp.replace(frozen)  # whole: a test that sees the file reads its text
     while not thaw.exists():  # the whole process (its event loop included) stays here until it is killed
         time.sleep(0.2)
     frozen.unlink()  # first: a test that sees thaw gone may wait for frozen_at to come back
