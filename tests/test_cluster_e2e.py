@@ -145,7 +145,7 @@ def test_a_run_on_a_two_node_cluster_places_learner_and_engines_and_ships_a_rewa
 def test_loopback_across_two_hosts_is_exit_2_naming_network_bind(tmp_path: Path) -> None:
     """The engines' node registers another address (127.0.0.2: another host to Ray) than the driver's and the
     learner's: with network.bind loopback the router could never reach the engines; the run stops once Ray
-    placed the groups, before an engine or a rank starts, saying to set network.bind: node."""
+    placed the groups, before an engine starts or a step trains, saying to set network.bind: node."""
     inputs = short_quickstart(tmp_path / "inputs")
     place = ["placement.learner.resources={trainer: 1}", "placement.engines.resources={rollout: 1}"]
     with ray_head(tmp_path / "head.log", num_cpus=2, resources='{"trainer": 2}') as address, \

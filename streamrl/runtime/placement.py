@@ -51,7 +51,7 @@ def check(groups: dict[str, GroupRequest]) -> None:
 def check_hosts(bind: str, groups: dict[str, Any]) -> dict[str, set[str]]:
     """Where the placed groups (what -> placement group) and this driver (the router's process) are: what ->
     the addresses of its nodes. RunFailed (exit 2) when `network.bind` is loopback but that is more than one
-    host: checked once Ray placed them, before any engine or rank starts."""
+    host: checked once Ray placed them, before an engine starts or a step trains (the learner's ranks are up by then)."""
     from ray.util import placement_group_table
 
     ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
