@@ -220,7 +220,7 @@ def test_a_version_update_mid_turn_follows_the_partial_rollout_policy(engine: An
     again on version 1."""
     import aiohttp
 
-    from enginekit import post_json
+    from enginekit import get_json, post_json
 
     async def go() -> Episode | None:
         async with _client(engine.url) as c, aiohttp.ClientSession() as s:
@@ -229,14 +229,20 @@ def test_a_version_update_mid_turn_follows_the_partial_rollout_policy(engine: An
                              max_context=256, policy=policy)
                 ep.observe("12+3=")
                 turn = asyncio.ensure_future(ep.generate())
-                await asyncio.sleep(0.15)
+                # pause as soon as the engine runs the request: the tiny model decodes 200 tokens in ~0.1 s on an idle
+                # machine, so a fixed 0.15 s missed all 5 tries (CI of 2026-12-02; here too when idle)
+                for _ in range(500):
+                    if turn.done() or (await get_json(s, engine.url + "/get_load"))[1][0]["num_reqs"]:
+                        break
+                    await asyncio.sleep(0.005)
                 await post_json(s, engine.url + "/pause_generation", {"mode": "abort"})
                 await post_json(s, engine.url + "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
                 await post_json(s, engine.url + "/continue_generation", {})
                 await turn
                 await post_json(s, engine.url + "/update_weight_version", {"new_version": "0", "abort_all_requests": False})
-                if ep.stats["interruptions"]:
-                    return ep
+                kept = [v for v, m in zip(ep.versions, ep.mask) if m][:1]
+                if ep.stats["interruptions"] and (policy == "restart" or kept == [0]):
+                    return ep  # (abort_resume: a pause before the first token kept nothing: try again)
         return None
 
     ep = asyncio.run(go())
