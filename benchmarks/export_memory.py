@@ -30,7 +30,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
 from benchmarks._common import emit, git_rev, reset_peak_rss, rss_bytes  # noqa: E402
+from streamrl.connectors.megatron.hf_export import export_hf  # noqa: E402
+from streamrl.connectors.megatron.learner import MegatronLearner, init_single_process  # noqa: E402
+from streamrl.connectors.megatron.model_kit import build_model, build_tokenizer  # noqa: E402
 
 PARAMS_7B, EMBED_7B = 7.62e9, 152064 * 3584  # Qwen2.5-7B: parameters, and its largest tensor's elements
 
@@ -38,9 +45,6 @@ PARAMS_7B, EMBED_7B = 7.62e9, 152064 * 3584  # Qwen2.5-7B: parameters, and its l
 def reference_export(weights: Any, base: Path, out: Path) -> None:
     """The export as it was: every tensor into a host dict, a model from the base's config holding them,
     save_pretrained (a dense model: the MoE expert mapping is not needed for the memory figure)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     state = {name: t.to("cpu") for name, t in weights}
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base)), dtype=dtype)
@@ -52,12 +56,6 @@ def reference_export(weights: Any, base: Path, out: Path) -> None:
 
 
 def one_side(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from streamrl.connectors.megatron.hf_export import export_hf
-    from streamrl.connectors.megatron.learner import MegatronLearner, init_single_process
-    from streamrl.connectors.megatron.model_kit import build_model, build_tokenizer
-
     torch.set_num_threads(1)
     init_single_process()
     work = Path(args.work)
@@ -93,8 +91,6 @@ def one_side(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def files_equal(a: Path, b: Path) -> bool:
-    from safetensors import safe_open
-
     def tensors(d: Path) -> dict[str, Any]:
         out = {}
         for f in sorted(d.glob("*.safetensors")):

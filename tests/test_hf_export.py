@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from learnerkit import run_script
 from streamrl.connectors.megatron.hf_export import INDEX, TOKENIZER_FILES, WEIGHTS, export_hf
 from streamrl.connectors.megatron.model_kit import init_model_dir
 
@@ -134,8 +135,6 @@ ROUND_TRIP = """
 
 @pytest.mark.slow
 def test_a_sharded_export_of_the_learner_loads_back_into_the_learner(tmp_path: Path) -> None:
-    from learnerkit import run_script
-
     base = init_model_dir(tmp_path / "tiny", "tiny", seed=3)
     res = run_script(ROUND_TRIP, str(base), str(tmp_path / "out"))
     assert res["files"] > 4 and res["equal"] and res["names"] == len(_tensors(base)), res

@@ -105,7 +105,7 @@ def _at(stage: str) -> None:
         _crash_point(stage)
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -121,21 +121,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _tmp_sibling(path: Path) -> Path:
-    """A name beside `path` for writing what becomes `path` (`_clean_leftovers` knows it: pid and a nonce)."""
+def tmp_sibling(path: Path) -> Path:
+    """A name beside `path` for writing what becomes `path` (`clean_leftovers` knows it: pid and a nonce)."""
     return path.with_name(f"{_TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
     """Replace `path` with `text`: temp file + fsync + rename + fsync of the directory."""
-    tmp = _tmp_sibling(path)
+    tmp = tmp_sibling(path)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     _at("latest_tmp")
     os.replace(tmp, path)
-    _fsync_path(path.parent)
+    fsync_path(path.parent)
 
 
 def _rename_exchange(a: Path, b: Path) -> bool:
@@ -157,12 +157,12 @@ def _remove_dir(path: Path) -> None:
     """Rename aside (one atomic step that makes it invisible), then delete."""
     trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
-    _fsync_path(path.parent)
+    fsync_path(path.parent)
     _at("retention")
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _install_dir(tmp: Path, final: Path) -> None:
+def install_dir(tmp: Path, final: Path) -> None:
     """Put the complete directory `tmp` at `final` atomically (replacing one that exists)."""
     old = None
     if not os.path.lexists(final):
@@ -173,7 +173,7 @@ def _install_dir(tmp: Path, final: Path) -> None:
         old = final.with_name(f"{_TRASH_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
         os.rename(tmp, final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -190,7 +190,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _clean_leftovers(directory: Path, name: str | None = None) -> None:
+def clean_leftovers(directory: Path, name: str | None = None) -> None:
     """Remove `.tmp-*` / `.trash-*` entries left by crashed saves (not a live process's);
     with `name`, only those of that entry (`.tmp-<name>-...`)."""
     stem = f"{name}-" if name else ""
@@ -355,7 +355,7 @@ def _hash_share(d: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     def share(rank: int, world: int) -> dict[str, dict[str, Any]]:
         out = {}
         for n in names[rank::world]:
-            _fsync_path(d / n)
+            fsync_path(d / n)
             out[n] = {"size": (d / n).stat().st_size, "sha256": _sha256(d / n)}
         return out
 
@@ -408,8 +408,8 @@ def save_checkpoint(learner: Any, root: str | Path, extra: dict | None = None,
 
     def begin() -> str:
         root.mkdir(parents=True, exist_ok=True)
-        _clean_leftovers(root)
-        tmp = _tmp_sibling(final)
+        clean_leftovers(root)
+        tmp = tmp_sibling(final)
         (tmp / "sharded").mkdir(parents=True)
         (tmp / "rng").mkdir()
         return str(tmp)
@@ -429,11 +429,11 @@ def save_checkpoint(learner: Any, root: str | Path, extra: dict | None = None,
         def finish() -> str:
             _at("files")
             for sub in ("sharded", "rng", "."):
-                _fsync_path(tmp / sub)
+                fsync_path(tmp / sub)
             _write_manifest(tmp, version, names, hashed)  # last: its presence marks a complete directory
-            _fsync_path(tmp)
+            fsync_path(tmp)
             _at("synced")
-            _install_dir(tmp, final)
+            install_dir(tmp, final)
             return str(final)
 
         _on_rank0(finish)

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from streamrl.connectors.megatron.checkpoint import _fsync_path, _install_dir, _tmp_sibling, _clean_leftovers
+from streamrl.connectors.megatron.checkpoint import clean_leftovers, fsync_path, install_dir, tmp_sibling
 from streamrl.connectors.sglang.expert_weights import expert_views, fused_name
 
 SHARD_BYTES = 1 << 30  # host memory an export holds at once, at most (besides one tensor larger than this)
@@ -76,8 +77,6 @@ class _Shards:
 
 def _check_names(config: object, meta: dict[str, torch.Tensor], base: Path) -> None:
     """The names and shapes must fill the model transformers builds from `config` (on the meta device: no memory)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     own = model.state_dict()
@@ -100,14 +99,12 @@ def export_hf(weights: Iterable[tuple[str, torch.Tensor]], base_model_dir: str |
     """Write `weights` (HF names) as an HF model directory at `out_dir` (replacing one there), with
     `base_model_dir`'s config, tokenizer and generation config. `weights` is taken to its end even when
     writing fails (the other ranks of a learner take part in each tensor's gather)."""
-    from transformers import AutoConfig, GenerationConfig
-
     base, out = Path(base_model_dir), Path(out_dir)
     config = AutoConfig.from_pretrained(str(base))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(out.parent, out.name)  # only this export's leftovers: the parent may be shared
-    tmp = _tmp_sibling(out)
+    clean_leftovers(out.parent, out.name)  # only this export's leftovers: the parent may be shared
+    tmp = tmp_sibling(out)
     tmp.mkdir()
     try:
         shards, error = _Shards(tmp, shard_bytes), None
@@ -131,9 +128,9 @@ def export_hf(weights: Iterable[tuple[str, torch.Tensor]], base_model_dir: str |
                 if f.is_file():
                     shutil.copy2(f, tmp / f.name)
         for f in tmp.iterdir():
-            _fsync_path(f)
-        _fsync_path(tmp)
-        _install_dir(tmp, out)
+            fsync_path(f)
+        fsync_path(tmp)
+        install_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from streamrl.core.capacity import GroupRequest, bundles, loopback_problem, shortfall
@@ -52,8 +52,6 @@ def check_hosts(bind: str, groups: dict[str, Any]) -> dict[str, set[str]]:
     """Where the placed groups (what -> placement group) and this driver (the router's process) are: what ->
     the addresses of its nodes. RunFailed (exit 2) when `network.bind` is loopback but that is more than one
     host: checked once Ray placed them, before an engine starts or a step trains (the learner's ranks are up by then)."""
-    from ray.util import placement_group_table
-
     ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     driver = ray.get_runtime_context().get_node_id()
     hosts = {"the driver and the router": {ip.get(driver, driver)}}

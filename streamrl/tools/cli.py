@@ -384,6 +384,27 @@ def _as_of_args(p: argparse.ArgumentParser) -> None:
                            "that a checkpoint made), with the claims made on versions <= V")
 
 
+def _run_dir_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """`streamrl plan RUN_DIR --gpus N`: the flags checked, then the simulated sweep (streamrl/tools/plan.py)."""
+    if args.gpus is None:
+        raise UsageError("streamrl plan RUN_DIR needs --gpus N (a recipe file needs none)")
+    if args.overrides:
+        raise UsageError(f"streamrl plan RUN_DIR takes no overrides ({' '.join(args.overrides)}): they apply to a recipe")
+    if args.gpus < 2:
+        raise UsageError(f"--gpus {args.gpus}: a plan needs at least 2 (one learner GPU, one engine)")
+    if args.steps < 4:
+        raise UsageError(f"--steps {args.steps}: at least 4 (the first quarter is warm-up)")
+    for flag, value in (("--groups-per-step", args.groups_per_step), ("--n-samples", args.n_samples)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: at least 1")
+    try:
+        out = run_plan(args.run_dir, args.gpus, args.model_size, args.steps, args.groups_per_step,
+                       args.n_samples, args.calibrate, args.out, progress=not args.json)
+    except (RunReadError, PlanError) as e:
+        raise UsageError(str(e)) from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if os.getcwd() not in sys.path:  # recipes name functions in the user's modules (`streamrl.recipes.envs.calculator:solve`)
@@ -465,38 +486,21 @@ def _dispatch(args: argparse.Namespace) -> int:
             return report_command(args.run_dir, args.out, args.json)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    if args.cmd == "plan" and Path(args.run_dir).is_file():
-        recipe = load_recipe(args.run_dir, args.overrides, resolve=False)
-        try:
-            mem = memory_plan(recipe, *model_config(recipe.model.path, args.model_config), args.gpu_gb)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        if args.json:
-            print(json.dumps(mem))
-        else:
-            print_memory(mem)
-        return 0
     if args.cmd == "plan":
-        if args.gpus is None:
-            raise UsageError("streamrl plan RUN_DIR needs --gpus N (a recipe file needs none)")
-        if args.overrides:
-            raise UsageError(f"streamrl plan RUN_DIR takes no overrides ({' '.join(args.overrides)}): they apply to a recipe")
-        if args.gpus < 2:
-            raise UsageError(f"--gpus {args.gpus}: a plan needs at least 2 (one learner GPU, one engine)")
-        if args.steps < 4:
-            raise UsageError(f"--steps {args.steps}: at least 4 (the first quarter is warm-up)")
-        for flag, value in (("--groups-per-step", args.groups_per_step), ("--n-samples", args.n_samples)):
-            if value is not None and value < 1:
-                raise UsageError(f"{flag} {value}: at least 1")
-        try:
-            out = run_plan(args.run_dir, args.gpus, args.model_size, args.steps, args.groups_per_step,
-                           args.n_samples, args.calibrate, args.out, progress=not args.json)
-        except (RunReadError, PlanError) as e:
-            raise UsageError(str(e)) from None
+        if Path(args.run_dir).is_file():  # a recipe: the learner's memory per rank before launching
+            recipe = load_recipe(args.run_dir, args.overrides, resolve=False)
+            try:
+                out = memory_plan(recipe, *model_config(recipe.model.path, args.model_config), args.gpu_gb)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            show = print_memory
+        else:
+            out = _run_dir_plan(args)
+            show = print_plan
         if args.json:
             print(json.dumps(out))
         else:
-            print_plan(out)
+            show(out)
         return 0
     if args.cmd == "model" and args.model_cmd == "merge-lora":
         # torch and transformers load for this command alone

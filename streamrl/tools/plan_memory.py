@@ -15,8 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from streamrl.core import learner_memory as lm
-from streamrl.recipe import Recipe
-from streamrl.recipe.schema import learner_layout
+from streamrl.recipe import Recipe, learner_layout
 
 # The published config.json numbers of the models recipes/gpu_*.yaml train (facts: huggingface.co/Qwen).
 KNOWN: dict[str, dict[str, Any]] = {
