@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import gc
+import time
 from pathlib import Path
 
 import aiohttp
@@ -395,6 +397,49 @@ def test_distributed_update_outside_a_session_is_refused(engine, ref1):
 
     err, v = asyncio.run(main())
     assert err.status == 400 and "begin_weight_update" in err.message and v == "0"
+
+
+def test_a_push_the_learner_drops_releases_the_engine_at_once(engine, ref0, ref1):
+    """A learner whose push failed drops its end of the group (WeightSource.push_weights): an engine
+    waiting in that push's receive fails it at once, with success false (SGLang's group timeout is
+    30 min), and goes on serving its old weights at its old version; a new group then pushes as usual.
+    The pushed weights are bf16 (the learner casts to a bf16 engine's dtype): a float32 engine takes them too."""
+    state = {k: v.to(torch.bfloat16) for k, v in _learner_state(ref1).items()}
+    names_ = list(state)
+    dtypes, shapes = [dtype_name(t.dtype) for t in state.values()], [list(t.shape) for t in state.values()]
+    prompts, n = [prompt(i) for i in range(2)], 12
+
+    async def main():
+        async with engine.client() as c:
+            store = open_store(2)
+            group, _ = await asyncio.gather(asyncio.to_thread(create_group, store, 2, "wu-drop", "gloo", 600),
+                                            c.init_weights_update_group("127.0.0.1", store.port, 1, 2, "wu-drop", "gloo"))
+            async with c.weight_update():
+                update = asyncio.ensure_future(c.update_weights_from_distributed(
+                    names_, dtypes, shapes, 9, "wu-drop", load_format=BUCKET_FORMAT))
+                await asyncio.sleep(2)  # the engine is in its receive (or about to be)
+                group = store = None  # the sender's last references: its connections close
+                gc.collect()
+                t0 = time.monotonic()
+                with pytest.raises(EngineError) as dropped:
+                    await asyncio.wait_for(update, 60)
+                released_s = time.monotonic() - t0
+            after = (await c.weight_version(), await _greedy(c, prompts, n))
+            await c.destroy_weights_update_group("wu-drop")
+            store = open_store(2)
+            group, _ = await asyncio.gather(asyncio.to_thread(create_group, store, 2, "wu-again", "gloo", 60),
+                                            c.init_weights_update_group("127.0.0.1", store.port, 1, 2, "wu-again", "gloo"))
+            await _push(c, pack(state), group, "wu-again", 10, True)
+            again = (await c.weight_version(), await _greedy(c, prompts, n))
+            await c.destroy_weights_update_group("wu-again")
+            return dropped.value, released_s, after, again
+
+    err, released_s, (v, results), (v2, results2) = asyncio.run(main())
+    assert err.status == 400 and "Failed to receive weights" in err.message, err
+    assert released_s < 10, released_s
+    assert v == "0" and all(r.output_ids == hf_greedy(ref0, p, n) for p, r in zip(prompts, results))
+    ref1_bf16 = copy.deepcopy(ref1).to(torch.bfloat16).to(torch.float32)  # what the engine holds now
+    assert v2 == "10" and all(r.output_ids == hf_greedy(ref1_bf16, p, n) for p, r in zip(prompts, results2))
 
 
 # ---------------------------------------------------------------- in front of the engine: the router, the OpenAI proxy

@@ -47,6 +47,9 @@ PUBLISH = """
     res["exported_dtypes"] = sorted({str(t.dtype) for t in exported.values()})
     cfg = json.load(open(f"{path}/config.json"))
     res["config_dtype"] = cfg.get("dtype", cfg.get("torch_dtype"))
+    cast = load_file(f"{d.export(f'{out}/v1-bf16', dtype='bfloat16')}/model.safetensors")  # bf16 engines
+    res["cast_is_newest_in_bf16"] = all(cast[k].dtype == torch.bfloat16 and torch.equal(cast[k], newest[k].to(torch.bfloat16))
+                                        for k in cast)
     try:
         d.export(f"{out}/v0", version=d.version - 1)
         res["old_version"] = "exported"
@@ -66,6 +69,7 @@ def test_bf16_learner_pushes_and_exports_its_newest_weights_in_bf16(model_dir: P
     assert res["meta_dtypes"] == ["bfloat16"] and res["exported_dtypes"] == ["torch.bfloat16"]
     assert res["config_dtype"] == "bfloat16"
     assert res["step_moved"] and res["pushed_is_newest"] and res["exported_is_newest"]
+    assert res["cast_is_newest_in_bf16"]
     assert "learner is at version 1" in res["old_version"]
 
 
@@ -74,3 +78,4 @@ def test_fp32_learner_publishes_fp32(model_dir: Path, tmp_path: Path) -> None:
     assert res["meta_dtypes"] == ["float32"] and res["exported_dtypes"] == ["torch.float32"]
     assert res["config_dtype"] == "float32"
     assert res["step_moved"] and res["pushed_is_newest"] and res["exported_is_newest"]
+    assert res["cast_is_newest_in_bf16"]  # for bf16 engines: the export (and a push) cast

@@ -4,12 +4,14 @@ engine's checked weight load: byte-exact round trips, the bucket plan, clear ref
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import pytest
 import torch
 
 from streamrl.connectors.sglang.weight_sync import (
     BUCKET_FORMAT,
+    PushFailed,
     broadcast,
     buckets,
     create_group,
@@ -22,6 +24,7 @@ from streamrl.connectors.sglang.weight_sync import (
     receive,
     unflatten,
 )
+from streamrl.runtime.learner import WeightSource
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -154,3 +157,77 @@ def test_engine_load_checks_the_whole_update_first(tmp_path):
     assert all(torch.equal(own[k], before[k]) for k in own) and core.weight_version == "0"
     core.load_state_dict({k: v.to(torch.bfloat16) for k, v in good.items()}, "1")  # converted to the model's dtype
     assert all(torch.equal(own[k], torch.full_like(before[k], 0.5)) for k in own) and core.weight_version == "1"
+
+
+class _Fixed(WeightSource):
+    """The learner's side of a push over fixed weights (six 64 KiB tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__("unused")
+        self.state = {f"w{i}": torch.full((16384,), float(i)) for i in range(6)}
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+
+def test_a_hung_engine_fails_the_push_at_its_bucket_within_the_timeout_and_the_others_are_released():
+    """Three buckets to two receivers; one takes the first and then hangs (never receives again).
+    The sender fails at bucket 2 within its group timeout (2 s) with PushFailed, drops the group, and
+    the receiver that was still waiting (its own timeout 60 s) fails at once: released."""
+    src = _Fixed()
+    names, dtypes, shapes = src.weights_meta()
+    bucket_bytes = 2 * 16384 * 4  # two tensors a bucket: three buckets
+    parts = plan_buckets(dtypes, shapes, bucket_bytes)
+    assert len(parts) == 3
+    host, port = src.open_weight_store("127.0.0.1", 3, 2.0)
+
+    def engine(rank: int, takes: int) -> tuple[int, str, float]:
+        g = join_group(host, port, rank, 3, "hang", "gloo", 60)
+        k = 0
+        try:
+            for k, b in enumerate(parts[:takes]):
+                receive(g, names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop], BUCKET_FORMAT)
+        except RuntimeError as e:
+            return k, str(e), time.monotonic()
+        time.sleep(8)  # hung: holds its end of the group open, receives nothing
+        return takes, "hung", time.monotonic()
+
+    with cf.ThreadPoolExecutor(3) as ex:
+        good, hung = ex.submit(engine, 1, 3), ex.submit(engine, 2, 1)
+        src.init_weight_group(3, "hang", "gloo", 2.0)
+        t0 = time.monotonic()
+        with pytest.raises(PushFailed) as err:
+            src.push_weights(True, None, bucket_bytes)
+        failed_at = time.monotonic()
+        k, msg, released_at = good.result(30)
+        assert hung.result(30)[1] == "hung"
+    assert err.value.bucket == 1 and str(err.value).startswith("bucket 2: ")  # the second bucket never arrived
+    assert 1.5 < failed_at - t0 < 6, failed_at - t0  # the group's timeout, not the receivers' 60 s
+    assert src._group is None  # dropped: the next push forms a new group
+    assert k in (1, 2) and "closed" in msg.lower(), msg  # the other receiver's wait ended by the drop...
+    assert released_at - failed_at < 2, released_at - failed_at  # ...at once, not at its own 60 s
+
+
+def test_a_push_cast_to_the_engines_dtype_sends_that_dtype():
+    """An fp32 source pushing to bf16 engines: the meta and the bytes are bf16 (half the bytes)."""
+    src = _Fixed()
+    names, dtypes, shapes = src.weights_meta("bfloat16")
+    assert set(dtypes) == {"bfloat16"}
+    host, port = src.open_weight_store("127.0.0.1", 2, 20.0)
+    with cf.ThreadPoolExecutor(1) as ex:
+        g = ex.submit(join_group, host, port, 1, 2, "cast", "gloo", 20)
+        src.init_weight_group(2, "cast", "gloo", 20.0)
+        got = ex.submit(receive, g.result(), names, dtypes, shapes, BUCKET_FORMAT)
+        src.push_weights(True, "bfloat16")
+        got = got.result(30)
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], src.state[k].to(torch.bfloat16)) for k in names)
+
+
+def test_push_failed_survives_pickling():
+    """Ray sends the learner's exception to the driver pickled; a PushFailed it cannot rebuild arrives
+    as UnserializableException and the bucket is lost (seen in tests/test_push_failure_e2e.py)."""
+    import pickle
+
+    e = pickle.loads(pickle.dumps(PushFailed(2, "RuntimeError: Connection reset by peer")))
+    assert (e.bucket, e.reason, str(e)) == (2, "RuntimeError: Connection reset by peer",
+                                           "bucket 3: RuntimeError: Connection reset by peer")

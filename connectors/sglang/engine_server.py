@@ -486,6 +486,8 @@ class EngineServer:
                 for g, buf in zip(groups, self._recv_bufs)))
         except ValueError as e:  # refused before anything was received
             raise HTTPError(400, str(e)) from None
+        except RuntimeError as e:  # the sender dropped the group or timed out; this engine goes on serving, as SGLang's
+            return web.json_response({"success": False, "message": f"Failed to receive weights: {e}"}, status=400)
         return await self._update(lambda: self.core.load_state_dict(state, None), req.abort_all_requests,
                                   req.weight_version, req.flush_cache, {})
 

@@ -19,12 +19,21 @@ rank of a group, while the embedded engine stands for several TP ranks in one pr
 put both sides in one. tests/test_weight_group_sglang.py joins SGLang's own function (from the
 sglang wheel) to ours, both ways. The trainer opens the store first (`open_store`: a port the
 kernel chose) and tells the engines its port; neither side needs a default process group.
+
+Failures. The group's timeout (`timeout_s`, recipe `engines.push_timeout_s`) bounds each operation:
+the rendezvous and each bucket. The sender waits for each bucket to arrive before it sends the next
+(on NCCL too, where a collective's timeout runs from when it is queued: queuing a 30B model's ~120
+buckets at once would time out the last ones however well they moved), so a push of any size passes
+while each bucket moves. A bucket that fails raises `PushFailed` naming it; the sender then drops its
+end of the group (`WeightSource.push_weights`), which closes its connections, and every engine still
+waiting in that group's broadcast fails at once instead of at its own timeout (gloo: "Connection
+closed by peer"; SGLang answers the update with success false and keeps serving).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +44,18 @@ from streamrl.connectors.ports import tcp_store
 
 BUCKET_FORMAT = "flattened_bucket"
 BUCKET_BYTES = 512 * 1024**2  # an engine holds one bucket next to its weights while receiving
+TIMEOUT_S = 600.0  # per operation (one bucket): long enough for a 512 MiB bucket over a slow link and its load
+
+
+class PushFailed(RuntimeError):
+    """A push stopped at `bucket` (0-based; the tensors' index when unbucketed)."""
+
+    def __init__(self, bucket: int, cause: BaseException | str) -> None:
+        self.bucket, self.reason = bucket, cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"bucket {bucket + 1}: {self.reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Ray sends it back to the driver: rebuild it from its fields
+        return PushFailed, (self.bucket, self.reason)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
            "int64": torch.int64, "int32": torch.int32}
@@ -71,20 +92,20 @@ def _group(store: Any, rank: int, world_size: int, group_name: str, backend: str
     return dist.ProcessGroupGloo(keys, rank, world_size, timeout)
 
 
-def open_store(world_size: int, host: str = "127.0.0.1", timeout_s: float = 60) -> Any:
+def open_store(world_size: int, host: str = "127.0.0.1", timeout_s: float = TIMEOUT_S) -> Any:
     """Trainer side, first: the group's TCPStore on `host`, on a port the kernel chose
     (`store.port`, which the engines are told); connectors/ports.py."""
     return tcp_store(world_size, host=host, timeout_s=timeout_s)
 
 
 def create_group(store: Any, world_size: int, group_name: str = "weight_update_group", backend: str = "gloo",
-                 timeout_s: float = 60) -> Any:
+                 timeout_s: float = TIMEOUT_S) -> Any:
     """Trainer side: rank 0 of the group over `open_store`'s store (blocks until every rank has joined)."""
     return _group(store, 0, world_size, group_name, backend, timeout_s)
 
 
 def join_group(master_address: str, master_port: int, rank_offset: int, world_size: int,
-               group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = 60) -> Any:
+               group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = TIMEOUT_S) -> Any:
     """Engine side: join as rank `rank_offset` (blocks until every rank has joined)."""
     store = tcp_store(world_size, rank=rank_offset, host=master_address, port=master_port, timeout_s=timeout_s)
     return _group(store, rank_offset, world_size, group_name, backend, timeout_s)
@@ -192,20 +213,27 @@ def unflatten(buf: torch.Tensor, names: list[str], dtypes: list[str], shapes: li
 
 
 def broadcast(group: Any, tensors: Iterable[torch.Tensor], bucketed: bool = False,
-              max_bytes: int = BUCKET_BYTES) -> None:
+              max_bytes: int = BUCKET_BYTES, on_bucket: Callable[[int, int], None] | None = None) -> None:
     """Trainer side: send the tensors to every engine, in the order of the names sent over HTTP,
     as they come (the learner gathers them one at a time): one broadcast each (SGLang's default
     load_format) or, `bucketed`, one per `plan_buckets` bucket (the receivers were sent
     load_format BUCKET_FORMAT). Sender and receivers must agree: gloo aborts the process on a
     size mismatch. An NCCL group sends device memory, gloo host memory: a bucket moves over
-    when it is on the other side."""
-    device = "cuda" if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else "cpu"
-    if not bucketed:
-        for t in tensors:
-            group.broadcast([t.contiguous().to(device)], _from_rank0()).wait()
-        return
-    for part in buckets(tensors, max_bytes):
-        group.broadcast([flatten(part).to(device)], _from_rank0()).wait()
+    when it is on the other side. Each bucket has arrived before the next is sent (module doc);
+    `on_bucket(index, bytes)` after each. Raises `PushFailed` naming the bucket that failed."""
+    nccl = isinstance(group, getattr(dist, "ProcessGroupNCCL", ()))
+    device = "cuda" if nccl else "cpu"
+    parts = buckets(tensors, max_bytes) if bucketed else ([t] for t in tensors)
+    for k, part in enumerate(parts):
+        buf = flatten(part).to(device) if bucketed else part[0].contiguous().to(device)
+        try:
+            group.broadcast([buf], _from_rank0()).wait()
+            if nccl:  # wait() only orders the stream: the host waits, so the next bucket is queued after
+                torch.cuda.current_stream().synchronize()
+        except Exception as e:  # noqa: BLE001 - gloo and NCCL raise RuntimeError subclasses of their own
+            raise PushFailed(k, e) from None
+        if on_bucket is not None:
+            on_bucket(k, buf.numel() * buf.element_size())
 
 
 def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],

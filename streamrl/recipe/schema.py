@@ -1,5 +1,7 @@
 """The recipe schema: one typed tree of msgspec Structs, its defaults and what each key means
 (docs/recipe-reference.md is generated from the comments here: streamrl/tools/recipe_reference.py).
+
+Long file: every section's keys in one tree, each with its comment, which the reference page is made from.
 """
 
 from __future__ import annotations
@@ -343,6 +345,10 @@ class EnginesCfg(_Cfg):
     host: str = "127.0.0.1"  # the address the engines bind; another exposes them beyond this machine; not 0.0.0.0
     router_policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"  # sglang-router's
     weight_sync: Literal["distributed", "disk"] = "distributed"  # how new versions reach the engines
+    # distributed: the longest one bucket of a push (and the engines' joining) may take before the push
+    # fails and falls back to disk; it bounds each bucket, not the push, so any model size passes
+    push_timeout_s: PosFloat = 600.0
+    push_bucket_mb: PosFloat = 512.0  # distributed: bucket size (an engine holds one beside its weights while receiving)
     tp: PosInt = 1  # tensor parallel size per engine: each TP rank joins the weight group (embedded: 1 process)
     max_running: PosInt = 64  # embedded engine: requests decoded together
     threads: PosInt = 1  # engines on CPU (embedded, or SGLang without a GPU): torch CPU threads

@@ -5,7 +5,15 @@ Paths (recipe `engines.weight_sync`):
   rank 0 and broadcasts the weights in buckets (connectors/sglang/weight_sync.py) while every engine
   receives them through SGLang's `/update_weights_from_distributed` (load_format
   "flattened_bucket", one request per bucket). The group is re-formed when the set of engines changes
-  (an engine restarted); a push that fails falls back to disk for that version.
+  (an engine restarted); a push that fails falls back to disk for that version, for every engine
+  that still answers. The learner sends each bucket once every engine took the one before; the group's
+  timeout (recipe `engines.push_timeout_s`) bounds each bucket, not the push, so a push of any size
+  passes while each bucket moves; progress is logged every PROGRESS_S of a long push. A push that
+  fails (an engine killed or hung mid-push, a bucket refused) ends at once for every rank and every
+  engine (weight_sync's module doc) with one warning naming the engine and the bucket
+  (core/weight_group.py `blame`).
+- The learner casts what it sends to the engines' dtype (core/engine_dtype.py) when they differ:
+  bf16 engines receive bf16 from an fp32 learner, on either path.
 - `disk`: the learner writes HF safetensors, engines load them (`/update_weights_from_disk`).
 - LoRA (recipe learner.lora; docs/lora.md): only the adapters travel. The learner writes them as a
   PEFT directory under RUN_DIR/weights/lora-v<version> and every engine loads it under the
@@ -41,6 +49,7 @@ streamrl/runtime/learner.py), so a version is published before the learner train
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 import time
 import uuid
@@ -49,18 +58,36 @@ from typing import Any
 
 import torch
 
-from streamrl.connectors.sglang.client import SGLangClient
+from streamrl.connectors.sglang.client import ENGINE_FAILURES, EngineError, SGLangClient
 from streamrl.connectors.sglang.router import Router
-from streamrl.connectors.sglang.weight_sync import BUCKET_FORMAT, plan_buckets
+from streamrl.connectors.sglang.weight_sync import BUCKET_BYTES, BUCKET_FORMAT, TIMEOUT_S, plan_buckets
 from streamrl.core.lora import adapter_name
 from streamrl.core.types import EnginePaused, EngineResumed, VersionPublished
-from streamrl.core.weight_group import weight_group
+from streamrl.core.weight_group import EngineOutcome, blame, weight_group
 from streamrl.runtime import faultpoint
 from streamrl.runtime.runlog import RunLog, now_ns
 
 
+PROGRESS_S = 10.0  # a push longer than this logs its progress this often
+RELEASE_S = 30.0  # after the learner's side failed: how long the engines get to answer (released ones do at once)
+
+
 class _UseDisk(Exception):
     pass
+
+
+class PushError(RuntimeError):
+    """A distributed push that failed: `gone` are the engines that did not answer (dead or hung)."""
+
+    def __init__(self, message: str, gone: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The learner's own exception inside Ray's wrapper (RayTaskError keeps it as `cause`)."""
+    c = getattr(e, "cause", None)
+    return c if isinstance(c, BaseException) else e
 
 
 def _default_backend() -> str:
@@ -70,7 +97,8 @@ def _default_backend() -> str:
 
 class VersionBroadcaster:
     def __init__(self, router: Router, learner: Any, weight_sync: str, policy: str, run_dir: Path, log: RunLog,
-                 host: str = "127.0.0.1", keep_weights: int = 2, tp: int = 1, lora: bool = False) -> None:
+                 host: str = "127.0.0.1", keep_weights: int = 2, tp: int = 1, lora: bool = False,
+                 dtype: str | None = None, timeout_s: float = TIMEOUT_S, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.router, self.learner, self.weight_sync, self.policy = router, learner, weight_sync, policy
         self.tp = tp  # every engine's tensor-parallel size (recipe engines.tp): each TP rank joins the group
         self.weights_dir = run_dir / "weights"
@@ -87,6 +115,8 @@ class VersionBroadcaster:
         self.lora = lora  # learner.lora: publish adapters (module doc)
         self._adapters: list[int] = []  # versions whose adapters the engines hold, oldest first
         self._unloads: set[asyncio.Task[Any]] = set()
+        self.dtype = dtype  # the engines' (core/engine_dtype.py): what the learner casts to; None: its own
+        self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes  # engines.push_timeout_s, push_bucket_mb
 
     async def _ensure_group(self) -> None:
         urls = tuple(sorted(self.router.workers))
@@ -101,39 +131,77 @@ class VersionBroadcaster:
         name = f"streamrl-weights-{self._group_gen}-{uuid.uuid4().hex[:8]}"
         group = weight_group([self.tp] * len(urls))
         await self.learner.drop_weight_group.remote()
-        host, port = await self.learner.open_weight_store.remote(self.host, group.world_size)
-        init = self.learner.init_weight_group.remote(group.world_size, name, self.backend)
+        host, port = await self.learner.open_weight_store.remote(self.host, group.world_size, self.timeout_s)
+        init = self.learner.init_weight_group.remote(group.world_size, name, self.backend, self.timeout_s)
         await asyncio.gather(init, *(self.router.workers[u].init_weights_update_group(
             host, port, group.rank_offsets[i], group.world_size, name, self.backend)
             for i, u in enumerate(urls)))
         self._group_urls, self._group_name, self._joined = urls, name, urls
         if self._meta is None:
-            self._meta = await self.learner.weights_meta.remote()
+            self._meta = await self.learner.weights_meta.remote(self.dtype)
 
     async def _push_distributed(self, version: int, flush: bool) -> None:
+        """Raises PushError (one message naming the engine and the bucket) when any part failed."""
         await self._ensure_group()
         names, dtypes, shapes = self._meta
         # One request per bucket, in the order the learner broadcasts them; the version is set
         # with the last one. bucketed=False: SGLang's default, one broadcast per tensor.
-        parts = plan_buckets(dtypes, shapes) if self.bucketed else [range(len(names))]
+        parts = plan_buckets(dtypes, shapes, self.bucket_bytes) if self.bucketed else [range(len(names))]
+        # The group's members: an engine registered since (restarted mid-publish) loaded the current
+        # weights from disk and joins the next group, which forms when the set of engines changed.
+        workers = {u: c for u, c in self.router.workers.items() if u in self._joined}
+        taken = dict.fromkeys(workers, 0)  # buckets each engine has taken
+        failures: dict[str, EngineOutcome] = {}
+        progress = _Progress(self, version, len(parts), [sum(math.prod(s) * _itemsize(d) for s, d in
+                                                            zip(shapes[b.start:b.stop], dtypes[b.start:b.stop])) for b in parts])
 
-        async def engine(c: Any) -> None:
-            async with c.weight_update():  # SGLang takes distributed updates only inside a session
+        async def engine(u: str, c: Any) -> None:
+            k = 0
+            try:
+                await c.begin_weight_update()  # SGLang takes distributed updates only inside a session
                 for k, b in enumerate(parts):
-                    await c.update_weights_from_distributed(
-                        names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop],
-                        weight_version=version if k == len(parts) - 1 else None, group_name=self._group_name,
-                        load_format=BUCKET_FORMAT if self.bucketed else None, flush_cache=flush)
+                    try:
+                        await c.update_weights_from_distributed(
+                            names[b.start:b.stop], dtypes[b.start:b.stop], shapes[b.start:b.stop],
+                            weight_version=version if k == len(parts) - 1 else None, group_name=self._group_name,
+                            load_format=BUCKET_FORMAT if self.bucketed else None, flush_cache=flush)
+                    except EngineError as e:  # it answered: keep its part going, so the broadcast does not wait on it
+                        failures.setdefault(u, EngineOutcome(k, True, e.message))
+                    taken[u] = k + 1
+                    progress.taken(min(taken.values()))
+                k = len(parts)
+                await c.end_weight_update()
+            except ENGINE_FAILURES as e:  # a refused or dropped connection, or no answer in time
+                if u not in failures:
+                    failures[u] = EngineOutcome(min(k, len(parts) - 1), isinstance(e, EngineError), f"{type(e).__name__}: {e}")
+            except asyncio.CancelledError:  # no answer in time (below): it hangs, leave its session as it is
+                failures.setdefault(u, EngineOutcome(min(k, len(parts) - 1), False, f"no answer within {wait_s:g} s"))
+                raise
 
-        await asyncio.gather(self.learner.push_weights.remote(self.bucketed),
-                             *(engine(c) for c in self.router.workers.values()))
+        tasks = {u: asyncio.ensure_future(engine(u, c)) for u, c in workers.items()}
+        learner: tuple[int, str] | None = None
+        try:
+            await self.learner.push_weights.remote(self.bucketed, self.dtype, self.bucket_bytes)
+        except Exception as e:  # noqa: BLE001 - the learner's side of the push failed
+            c = _cause(e)
+            learner = (getattr(c, "bucket", 0), getattr(c, "reason", f"{type(c).__name__}: {c}"))
+        # The engines answer at once when the push went through or was dropped; one that does not
+        # is hung (a stopped process, an engine stuck in its receive).
+        wait_s = RELEASE_S if learner else self.timeout_s
+        _, pending = await asyncio.wait(tasks.values(), timeout=wait_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        if learner is not None or failures:
+            b = blame(version, len(parts), learner, failures)
+            raise PushError(b.message, b.gone)
 
     async def push_disk(self, version: int, clients: dict[str, Any] | None = None,
                         flush: bool = True) -> tuple[str, dict[str, BaseException]]:
         """Export `version` to disk and have the engines load it; returns the path and the engines that failed."""
         path = str(self.weights_dir / f"v{version:06d}")
         if not Path(path, "config.json").exists():
-            await self.learner.export.remote(path)
+            await self.learner.export.remote(path, None, False, self.dtype)
         clients = self.router.workers if clients is None else clients
         failed = await self._each(clients, lambda c: c.update_weights_from_disk(path, weight_version=version, flush_cache=flush))
         if self.keep_weights:
@@ -147,7 +215,7 @@ class VersionBroadcaster:
         failed: dict[str, BaseException] = {}
         if base_changed:
             path = str(self.weights_dir / "base")
-            await self.learner.export.remote(path, None, True)
+            await self.learner.export.remote(path, None, True, self.dtype)
             failed = await self._each(self.router.workers, lambda c: c.update_weights_from_disk(path, weight_version=0))
         _, more = await self.push_lora(version)
         return failed | more
@@ -218,7 +286,11 @@ class VersionBroadcaster:
         except Exception as e:  # noqa: BLE001 - an engine died: re-form the group next time, use disk now
             if self.lora:  # the full weights on disk are merged: an engine would apply its adapters twice
                 raise
-            if not isinstance(e, _UseDisk):
+            if isinstance(e, PushError):  # engines that did not answer get nothing more: dead or hung
+                self.log.warn(f"{e}; using disk")
+                failed |= {u: RuntimeError(f"no answer during the push of version {version}") for u in e.gone}
+                live = {u: c for u, c in live.items() if u not in e.gone}
+            elif not isinstance(e, _UseDisk):
                 self.log.warn(f"weight push of version {version} over {self.weight_sync} failed ({e!r}); using disk")
             self._group_urls = () if self.weight_sync == "distributed" else self._group_urls
             path, disk_failed = await self.push_disk(version, live, flush)
@@ -245,7 +317,7 @@ class VersionBroadcaster:
         if self.lora:
             base = self.weights_dir / "base"
             if not (base / "config.json").exists():
-                await self.learner.export.remote(str(base), None, True)
+                await self.learner.export.remote(str(base), None, True, self.dtype)
             async with SGLangClient(url, keys=self.router.keys) as c:
                 await c.update_weights_from_disk(str(base), weight_version=0)
                 for v in self._adapters:  # what the others hold (each written when it was pushed)
@@ -255,7 +327,32 @@ class VersionBroadcaster:
             return
         path = str(self.weights_dir / f"v{self.version:06d}")
         if not Path(path, "config.json").exists():
-            await self.learner.export.remote(path)
+            await self.learner.export.remote(path, None, False, self.dtype)
         async with SGLangClient(url, keys=self.router.keys) as c:
             await c.update_weights_from_disk(path, weight_version=self.version)
         self._group_urls = ()  # the weight group must include the new engine
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
+
+
+class _Progress:
+    """A push's progress: the faultpoint after each bucket every engine took (`push_bucket`), and a
+    line in the run log every PROGRESS_S of a long push."""
+
+    def __init__(self, bc: VersionBroadcaster, version: int, buckets: int, sizes: list[int]) -> None:
+        self.bc, self.version, self.buckets, self.sizes = bc, version, buckets, sizes
+        self.done, self.t0 = 0, time.perf_counter()
+        self.last = self.t0
+
+    def taken(self, n: int) -> None:
+        while self.done < n:
+            self.done += 1
+            faultpoint.reached("push_bucket", self.bc.weights_dir.parent)
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_S:
+            self.last = now
+            gb = sum(self.sizes[:self.done]) / 1e9
+            self.bc.log.info(f"weight push of version {self.version}: bucket {self.done} of {self.buckets} on every "
+                             f"engine ({gb:.2f} of {sum(self.sizes) / 1e9:.2f} GB, {now - self.t0:.0f} s)")

@@ -118,48 +118,73 @@ class WeightSource:
         for _ in weights:
             pass
 
-    def export(self, out_dir: str, base: bool = False) -> str:
+    def export(self, out_dir: str, base: bool = False, dtype: str | None = None) -> str:
         """HF safetensors of the weights as they are now (disk weight sync, restarted engines,
         the final model, a background evaluation's version); with LoRA merged, or with `base`
-        the base alone (the engines' weights under the adapters)."""
+        the base alone (the engines' weights under the adapters); `dtype` (a torch dtype name):
+        cast to it (the engines' dtype: a bf16 engine gets half of an fp32 learner's bytes)."""
         with self._lock:
+            weights = _cast(self.hf_weights(base), dtype)
             if not self.sends:
-                self._gather_only(self.hf_weights(base))
+                self._gather_only(weights)
                 return str(out_dir)
-            return str(hf_export.export_hf(self.hf_weights(base), self.model_dir, out_dir))  # a shard at a time
+            return str(hf_export.export_hf(weights, self.model_dir, out_dir))  # a shard at a time
 
-    def weights_meta(self) -> tuple[list[str], list[str], list[list[int]]]:
+    def weights_meta(self, dtype: str | None = None) -> tuple[list[str], list[str], list[list[int]]]:
+        """Names, dtypes and shapes of what `push_weights(dtype=dtype)` sends."""
         with self._lock:
-            meta = [(name, weight_sync.dtype_name(t.dtype), list(t.shape)) for name, t in self.hf_weights()]
+            meta = [(name, dtype or weight_sync.dtype_name(t.dtype), list(t.shape)) for name, t in self.hf_weights()]
         return [m[0] for m in meta], [m[1] for m in meta], [m[2] for m in meta]
 
-    def open_weight_store(self, host: str, world_size: int) -> tuple[str, int]:
+    def open_weight_store(self, host: str, world_size: int, timeout_s: float = weight_sync.TIMEOUT_S) -> tuple[str, int]:
         """First half of forming the weight group: its store, served here on `host` (ports.NODE:
         this node's cluster address); returns the address and port engines join at."""
         host = bind_host(host)
-        self._store = weight_sync.open_store(world_size, host)
+        self._store = weight_sync.open_store(world_size, host, timeout_s)
         return host, int(self._store.port)
 
-    def init_weight_group(self, world_size: int, group_name: str, backend: str) -> None:
-        """Second half: rank 0 of the group (returns once every engine has joined)."""
+    def init_weight_group(self, world_size: int, group_name: str, backend: str,
+                          timeout_s: float = weight_sync.TIMEOUT_S) -> None:
+        """Second half: rank 0 of the group (returns once every engine has joined); `timeout_s`
+        bounds each of its operations (the join, each bucket: weight_sync)."""
         assert self._store is not None, "open_weight_store first"
-        self._group = weight_sync.create_group(self._store, world_size, group_name, backend=backend)
+        self._group = weight_sync.create_group(self._store, world_size, group_name, backend=backend, timeout_s=timeout_s)
 
     def drop_weight_group(self) -> None:
         self._group = self._store = None
 
-    def push_weights(self, bucketed: bool = False) -> None:
-        """Broadcast the weights to the engines (rank 0 of the weight group), in buckets or
-        (`bucketed=False`) one tensor at a time: as the engines were told (weight_sync). Each
-        bucket is sent as soon as its tensors are gathered: the extra memory is one bucket."""
+    def push_weights(self, bucketed: bool = False, dtype: str | None = None,
+                     bucket_bytes: int = weight_sync.BUCKET_BYTES) -> None:
+        """Broadcast the weights to the engines (rank 0 of the weight group), in buckets of at most
+        `bucket_bytes` or (`bucketed=False`) one tensor at a time, cast to `dtype` when given: as the
+        engines were told (weight_sync, weights_meta). Each bucket is sent as soon as its tensors are
+        gathered: the extra memory is one bucket. A failed push drops the group, which releases the
+        engines still waiting in it, finishes the gather (the other ranks are released too) and raises
+        `weight_sync.PushFailed` naming the bucket; the next push forms a new group."""
         with self._lock:
-            weights = (t for _, t in self.hf_weights())
+            weights = _cast((t for _, t in self.hf_weights()), dtype)
+            failed: weight_sync.PushFailed | None = None
             try:
                 if self.sends:
                     assert self._group is not None, "init_weight_group first"
-                    weight_sync.broadcast(self._group, weights, bucketed=bucketed)
+                    weight_sync.broadcast(self._group, weights, bucketed=bucketed, max_bytes=bucket_bytes)
+            except weight_sync.PushFailed as e:
+                failed = weight_sync.PushFailed(e.bucket, e.reason)  # not e: its traceback holds the group
             finally:  # a failed push still finishes the gather (the disk fallback comes next)
                 self._gather_only(weights)
+            if failed is not None:
+                self._group = self._store = None  # the last reference: its connections close now
+                raise failed
+
+
+def _cast(weights: Iterator[Any], dtype: str | None) -> Iterator[Any]:
+    """`weights` (tensors, or (name, tensor) pairs) cast to the torch dtype named `dtype` (None: as they are)."""
+    if dtype is None:
+        yield from weights
+        return
+    to = getattr(torch, dtype)
+    for w in weights:
+        yield (w[0], w[1].to(to)) if isinstance(w, tuple) else w.to(to)
 
 
 class LearnerDriver(WeightSource):
@@ -376,12 +401,13 @@ class LearnerDriver(WeightSource):
         With LoRA merged, or with `base` the base alone."""
         return self.learner.hf_weights(merged=not base)
 
-    def export(self, out_dir: str, version: int | None = None, base: bool = False) -> str:
+    def export(self, out_dir: str, version: int | None = None, base: bool = False,
+               dtype: str | None = None) -> str:
         """`WeightSource.export`; `version`: the one the caller means (a background evaluation's),
         which must be the learner's now (the run exports it right after publishing it)."""
         if version is not None and version != self.version:
             raise RuntimeError(f"export of version {version} asked for, but the learner is at version {self.version}")
-        return super().export(out_dir, base)
+        return super().export(out_dir, base, dtype)
 
     def checkpoint(self, root: str, extra: dict[str, Any]) -> dict[str, Any]:
         """Save the learner as it is now; `extra["step"]` is set to the last step it trained (a step

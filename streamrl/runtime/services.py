@@ -22,9 +22,11 @@ from transformers import AutoTokenizer
 
 from streamrl.connectors.auth import Keys, write_private
 from streamrl.connectors.ports import LOOPBACK, NODE, bind_host
+from streamrl.connectors.sglang.cpu_sglang import cpu_args
 from streamrl.connectors.sglang.launcher import EngineLauncher, RayUnavailable, engine_gpus, ensure_ray
 from streamrl.connectors.sglang.router import Router
 from streamrl.core import lora as lora_names
+from streamrl.core.engine_dtype import engine_dtype
 from streamrl.core.staleness import capacity_shares
 from streamrl.core.types import RunCheckpointed
 from streamrl.producers.api_process import start_service_process, stop_service_process
@@ -124,7 +126,9 @@ class Services:
         self.broadcaster = VersionBroadcaster(self.router, self.learner, r.engines.weight_sync,
                                               r.staleness.partial_rollout, self.dir, self.log,
                                               host=NODE if node else LOOPBACK, keep_weights=r.engines.keep_weights,
-                                              tp=r.engines.tp, lora=r.learner.lora is not None)
+                                              tp=r.engines.tp, lora=r.learner.lora is not None,
+                                              timeout_s=r.engines.push_timeout_s,
+                                              bucket_bytes=int(r.engines.push_bucket_mb * 1024**2))
         (self.dir / "weights").mkdir(parents=True, exist_ok=True)
         kwargs = {"max_running": r.engines.max_running, "threads": r.engines.threads, "seed": r.run.seed,
                   "weights_root": str((self.dir / "weights").resolve()),  # the only weights an engine may load
@@ -140,6 +144,7 @@ class Services:
             lo = r.learner.lora
             extra += [LORA_FLAG, "--max-lora-rank", str(lo.rank), "--lora-target-modules",
                       *lora_names.hf_modules(lora_names.targets(lo.target_modules)[0])]
+        self.broadcaster.dtype = self._engine_dtype(extra)
         self.engines = EngineLauncher(r.model.path, r.engines.num, self.router, r.engines.backend,
                                       log_dir=self.dir / "logs", extra_args=extra, tp=r.engines.tp,
                                       engine_kwargs=kwargs, on_restart=self.broadcaster.on_engine_restart,
@@ -198,6 +203,18 @@ class Services:
         await self.crew.set_engines(engine_urls)
         if r.producer_api.enabled:
             await self._start_producer_service()
+
+    def _engine_dtype(self, extra: list[str]) -> str:
+        """The engines' weight dtype (core/engine_dtype.py), which every push is cast to."""
+        r = self.r
+        gpu = engine_gpus(r.engines.backend, r.engines.tp) > 0
+        sglang = r.engines.backend == "sglang" or gpu  # "auto": SGLang where the cluster has GPUs
+        config = json.loads(Path(r.model.path, "config.json").read_text())
+        dtype = engine_dtype(sglang, cpu_args(extra) if sglang and not gpu else extra, config)
+        learner = {"fp32": "float32", "bf16": "bfloat16"}[r.learner.dtype]
+        if dtype != learner:
+            self.log.info(f"the engines hold {dtype} weights and the learner {learner}: every push is cast to {dtype}")
+        return dtype
 
     async def _start_producer_service(self) -> None:
         """`streamrl produce serve RUN_DIR` as a child process: it reads the published version from
