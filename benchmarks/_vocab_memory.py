@@ -46,11 +46,16 @@ def build_model_dir(out: Path, vocab: int) -> Path:
     return out
 
 
+def use_reference() -> None:
+    """In this process, the learner as it was: the model's logits, then the full-vocabulary computation (tp = 1)."""
+    learner_module.defer_output_layer = lambda model: None
+    MegatronLearner._logp = lambda self, logits, b, t, e=False, model=None: logprobs_and_entropy(logits, b.ids, t, e)
+
+
 def one_side(args: argparse.Namespace) -> dict[str, Any]:
     """In this process: one warm-up step, then the measured one."""
-    if args.reference:  # the learner as it was: the model's logits, then the full-vocabulary computation (tp = 1)
-        learner_module.defer_output_layer = lambda model: None
-        MegatronLearner._logp = lambda self, logits, b, t, e=False, model=None: logprobs_and_entropy(logits, b.ids, t, e)
+    if args.reference:
+        use_reference()
     torch.set_num_threads(args.threads)
     init_single_process()
     with tempfile.TemporaryDirectory(dir=REPO / "runs") as d:

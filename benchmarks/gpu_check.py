@@ -17,6 +17,12 @@ Prints ONE JSON object: {"benchmark": "gpu_check", "mode": "cuda"|"cpu", "ok", "
   engine_moe         the embedded engine on a tiny Qwen3-MoE (model_kit tiny-moe) capturing routed experts
                      (return_routed_experts): every position's experts vs transformers' router top-k on the
                      same device, as sets; SGLang's row count (prompt + output - 1)
+  learner_real_vocab MegatronLearner.rl_step at Qwen's vocabulary (--real-vocab, 151936; the tiny preset's
+                     layers, bf16 on CUDA, fp32 on the CPU): the step's peak extra memory per 1k tokens
+                     (CUDA: torch.cuda.max_memory_allocated; CPU: VmHWM), log-probs in chunks, vocab-parallel
+  learner_real_vocab_reference  the same step computed as the learner used to (the whole [tokens, vocab]
+                     logits, then log_softmax on them: benchmarks/_vocab_memory.use_reference); the first
+                     check then carries over_reference (the issue's target: <= 0.25) and the loss difference
   learner_moe        MegatronLearner.rl_step on tiny-moe with routing replay, the engine's routing (from
                      engine_moe's way: transformers' top-k) on every sample: routing_mismatch must be 0;
                      step s, memory
@@ -64,7 +70,8 @@ except ModuleNotFoundError:
 RESULT = "GPU_CHECK_RESULT "  # the line a child prints its result on
 PACKAGES = ("torch", "transformers", "tokenizers", "megatron-core", "mbridge", "msgspec", "numpy", "sglang")
 DEFAULT_LIMITS = {"learner_fp32_cpu": 120, "learner_fp32": 120, "learner_bf16": 120, "weight_group": 60,
-                  "engine": 90, "engine_cpu_parity": 60, "engine_moe": 90, "learner_moe": 120}
+                  "engine": 90, "engine_cpu_parity": 60, "engine_moe": 90, "learner_moe": 120,
+                  "learner_real_vocab": 150, "learner_real_vocab_reference": 150}
 
 
 def log(msg: str) -> None:
@@ -337,10 +344,52 @@ def child_learner_moe(device: str, work: Path, steps: int) -> dict[str, Any]:
             if device == "cuda" else None}
 
 
+def child_real_vocab(device: str, work: Path, vocab: int, reference: bool) -> dict[str, Any]:
+    from argparse import Namespace
+
+    from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_single_process
+
+    from benchmarks import _vocab_memory
+    from benchmarks._common import reset_peak_rss, rss_bytes
+    from benchmarks._learner import make_batch
+
+    _need(device)
+    if reference:
+        _vocab_memory.use_reference()
+    init_single_process()
+    dtype = "bf16" if device == "cuda" else "fp32"
+    mg = MegatronLearner(_vocab_memory.build_model_dir(work / "vocab", vocab), lr=1e-6, micro_batch_size=8, dtype=dtype)
+    batch = make_batch(Namespace(samples=16, group_size=4, prompt_len=64, response_len=192, longtail=False), vocab)
+    tokens = sum(len(s.prompt) + len(s.response) for s in batch)
+    cfg = RLConfig()
+    mg.rl_step(batch, cfg)  # warm-up: the optimizer's state exists before the measured step
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = rss_bytes("VmRSS")
+        if not reset_peak_rss():
+            raise RuntimeError("/proc/self/clear_refs cannot reset the peak RSS here")
+    t = time.perf_counter()
+    r = mg.rl_step(batch, cfg)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - before) / 2**20
+    else:
+        extra = (rss_bytes("VmHWM") - before) / 2**20
+    return {"vocab": vocab, "dtype": dtype, "tokens": tokens, "step_s": round(time.perf_counter() - t, 3),
+            "peak_extra_mb": round(extra, 1), "peak_mb_per_1k_tokens": round(extra / tokens * 1000, 1),
+            "max_memory_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device == "cuda" else None,
+            "loss": float(r["loss"]), "grad_norm": float(r["grad_norm"])}
+
+
 def run_child(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     try:
-        if args.child == "learner_moe":
+        if args.child == "real_vocab":
+            out = child_real_vocab(args.device, work, args.real_vocab, args.reference)
+        elif args.child == "learner_moe":
             out = child_learner_moe(args.device, work, args.steps)
         elif args.child.startswith("learner"):
             out = child_learner(args.device, args.dtype, work, args.steps)
@@ -416,10 +465,13 @@ def main() -> None:
     ap.add_argument("--limit-scale", type=float, default=1.0, help="multiply every check's time limit")
     ap.add_argument("--budget-s", type=float, default=420, help="all checks together end within this (default 420 "
                     "s: the device machine's 15 minutes hold a start, this run and a rerun)")
+    ap.add_argument("--real-vocab", type=int, default=151936, help="learner_real_vocab's vocabulary (default "
+                    "151936, Qwen2.5's; the CPU smoke test uses a smaller one)")
     ap.add_argument("--out", type=Path, help="also write the JSON object to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="fp32", help=argparse.SUPPRESS)
+    ap.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         try:
@@ -461,6 +513,10 @@ def main() -> None:
                                         None if cuda else no_gpu),
         "learner_moe": lambda: run_check("learner_moe", ["learner_moe", "--device", dev, *common], lim["learner_moe"],
                                          None if cuda else no_gpu),
+        **{name: (lambda name=name, ref=ref: run_check(
+            name, ["real_vocab", "--device", dev, "--real-vocab", str(args.real_vocab), *ref], lim[name],
+            None if cuda else no_gpu))
+           for name, ref in (("learner_real_vocab", []), ("learner_real_vocab_reference", ["--reference"]))},
     }
     names = list(plan) + ["learner_agreement"]
     if args.only and (bad := set(args.only) - set(names)):
@@ -480,6 +536,10 @@ def main() -> None:
                                        "loss_abs_diff": float(f"{abs(a['first']['loss'] - b['first']['loss']):.3g}")}
     else:
         checks["learner_agreement"] = skipped("needs learner_fp32 and learner_fp32_cpu both ok")
+    v, vr = checks["learner_real_vocab"], checks["learner_real_vocab_reference"]
+    if v["status"] == "ok" and vr["status"] == "ok":
+        v |= {"over_reference": round(v["peak_mb_per_1k_tokens"] / max(vr["peak_mb_per_1k_tokens"], 1e-9), 3),
+              "loss_abs_diff_vs_reference": float(f"{abs(v['loss'] - vr['loss']):.3g}")}
     g, c = checks["engine"], checks["engine_cpu_parity"]
     if cuda and g["status"] == "ok" and c["status"] == "ok":
         same = sum(x[0] == y[0] for x, y in zip(g["greedy"], c["greedy"])) / len(g["greedy"])

@@ -4,7 +4,8 @@
 #
 #   here, with the package registry, once:  benchmarks/gpu_check.sh --fetch-wheels [PYTHON_VERSION]
 #       downloads into .whl/ (git-ignored through info/exclude) the wheels the device machine lacks:
-#       msgspec, megatron-core, mbridge, transformers (~15 MB; default Python 3.12, the device's)
+#       msgspec, megatron-core, mbridge, transformers and what transformers checks at import (~21 MB;
+#       default Python 3.12, the device's)
 #   there (no registry; its python3 holds a CUDA torch):  bash benchmarks/gpu_check.sh [gpu_check.py flags]
 #       installs .whl/*.whl into a temporary --target when the interpreter lacks StreamRL's learner
 #       packages, then runs every check, each under its own time limit, all within --budget-s (420 s)
@@ -13,7 +14,10 @@
 # The interpreter: $PY, else the checkout's .venv/bin/python when it has torch, else python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(msgspec==0.22.0 megatron-core==0.16.1 mbridge==0.15.1 transformers==5.19.0)
+# transformers checks at import the versions of tokenizers, huggingface-hub, safetensors and regex (its
+# dependency_versions_check): the device's own are older, so they travel too (5.19.0's METADATA bounds)
+WHEELS=(msgspec==0.22.0 megatron-core==0.16.1 mbridge==0.15.1 transformers==5.19.0
+        tokenizers==0.23.3 huggingface-hub==1.31.0 safetensors==0.8.0 regex==2026.11.19)
 
 if [[ -z "${PY:-}" ]]; then
   if [[ -x .venv/bin/python ]] && .venv/bin/python -c "import torch" 2>/dev/null; then PY=.venv/bin/python; else PY=python3; fi

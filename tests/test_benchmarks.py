@@ -129,7 +129,7 @@ def _learner_step_vocab(d: dict[str, Any]) -> None:
 
 
 GPU_CHECKS = {"learner_fp32_cpu", "learner_fp32", "learner_agreement", "learner_bf16", "weight_group", "engine",
-              "engine_cpu_parity", "engine_moe", "learner_moe"}
+              "engine_cpu_parity", "engine_moe", "learner_moe", "learner_real_vocab", "learner_real_vocab_reference"}
 
 
 def _gpu_check_shape(d: dict[str, Any]) -> None:
@@ -151,6 +151,9 @@ def _gpu_check(d: dict[str, Any]) -> None:
     assert c["engine"]["status"] == "ok" and c["engine"]["max_logprob_diff_vs_reference"] < 1e-3, c
     assert c["engine_moe"]["status"] == "ok" and c["engine_moe"]["rows_differing_from_reference"] == 0, c
     assert c["learner_moe"]["status"] == "ok" and c["learner_moe"]["routing_mismatch"] == 0.0, c
+    v = c["learner_real_vocab"]  # the same step both ways: equal loss, the chunked one holds less
+    assert v["status"] == "ok" and c["learner_real_vocab_reference"]["status"] == "ok", c
+    assert v["loss_abs_diff_vs_reference"] < 1e-5 and v["over_reference"] < 1 and v["peak_mb_per_1k_tokens"] > 0, v
     for name in ("learner_fp32", "engine_cpu_parity", "learner_agreement"):
         assert c[name]["status"] == "skipped", (name, c[name])
     assert c["learner_bf16"]["status"] in ("ok", "skipped"), c["learner_bf16"]  # skipped where learner.dtype is not
@@ -260,7 +263,7 @@ SMOKES: dict[str, Smoke] = {
     "export_memory": Smoke(("export_memory.py", "--preset", "tiny", "--shard-mb", "1"), _export_memory),
     "longtail_steps": Smoke(("longtail_steps.py",), _longtail_steps, prepare=_countdown_pool),
     # Every check of the GPU machine's run that the CPU can do (~25 s); gpu_check.sh itself: test above.
-    "gpu_check": Smoke(("gpu_check.py", "--cpu", "--steps", "1", "--new-tokens", "4"), _gpu_check),
+    "gpu_check": Smoke(("gpu_check.py", "--cpu", "--steps", "1", "--new-tokens", "4", "--real-vocab", "8192"), _gpu_check),
     # learner_parallel.py is each rank's process, started by learner_step.py --parallel.
     "learner_parallel": Smoke(("learner_step.py", *TINY_BATCH, "--parallel", "1"), _learner_parallel),
     # One mode of one step: a whole `streamrl run` (Ray, router, engine, learner actor), ~20 s.
