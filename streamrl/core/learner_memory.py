@@ -1,4 +1,4 @@
-"""What one learner rank holds for the model, before activations: its share of the parameters (tensor,
+"""What one learner rank holds for the model and, per micro-batch token, its activations: its share of the parameters (tensor,
 pipeline and expert parallel split them), the fp32 gradient buffer, the fp32 main copies (bf16) and
 Adam's two moments (megatron's distributed optimizer splits those two over the data-parallel ranks), and
 a reference model when the KL needs one. Pure: `streamrl plan RECIPE` (streamrl/tools/plan_memory.py)
@@ -38,6 +38,7 @@ class Shape:
     experts: int = 0
     expert_ffn: int = 0
     sparse_layers: int = 0  # layers whose MLP is the experts'
+    top_k: int = 0  # experts a token is routed to
 
 
 def shape_of(config: Mapping[str, Any]) -> Shape:
@@ -56,7 +57,8 @@ def shape_of(config: Mapping[str, Any]) -> Shape:
                  head_dim=int(config.get("head_dim") or h // heads), ffn=int(config.get("intermediate_size", 0)),
                  tied=bool(config.get("tie_word_embeddings", False)),
                  qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)), qk_norm=arch != "qwen2",
-                 experts=experts, expert_ffn=int(config.get("moe_intermediate_size", 0)), sparse_layers=sparse)
+                 experts=experts, expert_ffn=int(config.get("moe_intermediate_size", 0)), sparse_layers=sparse,
+                 top_k=int(config.get("num_experts_per_tok", 0)) if experts else 0)
 
 
 @dataclass(frozen=True)
@@ -113,3 +115,45 @@ def rank_bytes(s: Shape, dtype: str = "bf16", tp: int = 1, pp: int = 1, dp: int 
            "reference": (dense + experts) * width if reference else 0.0}
     out["total"] = sum(v for k, v in out.items() if k != "parameters")
     return out
+
+
+# ---------------------------------------------------------------- activations
+
+
+def activation_layout(s: Shape, seq: int, dtype: str = "bf16", tp: int = 1) -> tuple[float, float, float]:
+    """Bytes one token keeps for the backward in (a dense layer, a sparse layer, the model's ends), on one tp
+    rank, as the learner's megatron layers keep them: the local layer spec (no TransformerEngine, on CPU and
+    GPU alike: connectors/megatron/model.py), no activation recompute, no sequence parallel. Counted from the
+    tensors autograd saves (tests/test_learner_memory.py counts them in a forward of each model_kit preset,
+    fp32 and bf16, and checks this against it); `seq` the micro-batch's padded length; w the dtype's width:
+      each layer: its two norms' input and normalised input and 1/rms in fp32 (the norms compute in fp32)
+      and the linear layer's input after each (2 x (8 h + 4 + w h)); rotary's cos and sin for q and k
+      (4 head_dim); q, k and v as the unfused attention multiplies them (GQA's k and v expanded to every
+      query head) and the attention's output (4 q); its probabilities, heads x seq, in fp32 and in bf16
+      again for the product (the term flash attention would not keep); Qwen3's q/k norms (fp32); a dense
+      MLP: fc1's output and the gated activation's three (5 ffn); a sparse one: per routed expert the
+      token's copy, fc1's output and the activation's, the weighted output and the gate (2 h + 5 expert_ffn
+      + 1), and the router's choices (20 bytes per choice + (1 + w) per expert);
+      the ends: the final norm (8 h + 4) and the token ids (int64)."""
+    w = {"bf16": 2, "fp32": 4}[dtype]
+    q, kv, heads, kvh = s.heads * s.head_dim / tp, s.kv_heads * s.head_dim / tp, s.heads / tp, s.kv_heads / tp
+    attn = 2 * (8 * s.hidden + 4 + w * s.hidden) + w * (4 * s.head_dim + 4 * q) + heads * seq * (4 + (w if w < 4 else 0))
+    if s.qk_norm:
+        attn += 4 * (2 * q + 2 * kv + heads + kvh) + (4 * (q + kv) if w == 4 else 0)
+    dense = attn + w * 5 * s.ffn / tp
+    sparse = attn + s.top_k * (w * (2 * s.hidden + 5 * s.expert_ffn / tp + 1) + 20) + s.experts * (1 + w)
+    return dense, sparse, 8 * s.hidden + 4 + 8
+
+
+LOGPROB_CHUNKS = 3 * 64 * 2**20  # the log-probs' fp32 logit slabs alive at once (connectors/megatron/vocab_parallel.py)
+
+
+def activation_bytes(s: Shape, dtype: str, tokens: int, seq: int, tp: int = 1, pp: int = 1) -> dict[str, float]:
+    """Bytes of activations on the fullest learner rank in a training step: `tokens` per micro-batch (padded,
+    `seq` the longest), each kept as `activation_layout` counts, for the first stage's share of the layers and
+    as many micro-batches as 1F1B keeps in flight there (pp), plus the log-probs' logit slabs."""
+    dense, sparse, ends = activation_layout(s, seq, dtype, tp)
+    # + the causal mask, one [seq, seq] bool a micro-batch: at most seq bytes a token (a micro-batch of one row)
+    per_token = ((s.layers - s.sparse_layers) * dense + s.sparse_layers * sparse) / pp + ends + seq
+    return {"per_token": per_token, "in_flight": float(pp), "activations": per_token * tokens * pp,
+            "logprob_chunks": float(LOGPROB_CHUNKS)}

@@ -160,8 +160,8 @@ def _parser() -> argparse.ArgumentParser:
         "plan", help="size a cluster for a run's workload: engine/learner split, staleness, partial rollout, schedule",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="With a recipe file: what each learner rank will hold for the model (weights, fp32 gradients, "
-                    "fp32 main copies, Adam, a reference model) at the recipe's dtype and layout, against --gpu-gb, "
-                    "before anything starts (activations not included). With a run directory: read RUN_DIR's pool (the response lengths, how much of them each prompt explains) and its log "
+                    "fp32 main copies, Adam, a reference model) and its activations at the recipe's dtype, layout and "
+                    "micro-batch, against --gpu-gb, before anything starts. With a run directory: read RUN_DIR's pool (the response lengths, how much of them each prompt explains) and its log "
                     "(the recipe's batch and settings; with --calibrate, what each step took), simulate that workload "
                     "on --gpus GPUs in lockstep, one_step_off and stream (max_staleness 1/2/4/8, abort_resume and "
                     "restart) at three engine/learner splits, then the prompt schedules on the best, and print the "
@@ -184,6 +184,9 @@ writes RUN_DIR/plan/plan.json and plan.png (or --out DIR)""")
                     help="with a recipe: the model's config.json, when model.path is not on this machine (the models "
                          "the GPU recipes name are known without it)")
     pl.add_argument("--gpu-gb", type=float, default=80.0, help="with a recipe: one learner GPU's memory (default 80)")
+    pl.add_argument("--prompt-tokens", type=int, default=512,
+                    help="with a recipe: the longest prompt in tokens; a micro-batch's rows are up to this plus "
+                         "rollout.max_new_tokens long (activations grow with them; default %(default)s)")
     pl.add_argument("--model-size", default="7b",
                     help="parameters in billions (1.5b, 7b, 32b, 72b, ...): H100 preset; or `run`: the run's own "
                          "machine, each GPU one of its devices (default %(default)s)")
@@ -490,7 +493,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if Path(args.run_dir).is_file():  # a recipe: the learner's memory per rank before launching
             recipe = load_recipe(args.run_dir, args.overrides, resolve=False)
             try:
-                out = memory_plan(recipe, *model_config(recipe.model.path, args.model_config), args.gpu_gb)
+                out = memory_plan(recipe, *model_config(recipe.model.path, args.model_config), args.gpu_gb,
+                                  args.prompt_tokens)
             except ValueError as e:
                 raise UsageError(str(e)) from None
             show = print_memory

@@ -2,8 +2,10 @@
 (weights, fp32 gradients, fp32 main copies, Adam, a reference model; streamrl/core/learner_memory.py) at
 the recipe's dtype and parallel layout, against the GPU's memory. The model's shape comes from
 `model.path`/config.json, or `--model-config FILE`, or, for the models the GPU recipes name when they are
-not on this machine, from their published configs below. Activations are not in it: they depend on the
-micro-batch's tokens (benchmarks/learner_step.py measures a step)."""
+not on this machine, from their published configs below; and the activations of a micro-batch of the
+recipe's longest rows (`--prompt-tokens` + rollout.max_new_tokens each, learner.micro_batch_size of them or
+learner.max_tokens_per_micro_batch tokens) as the learner's megatron layers keep them
+(core/learner_memory.activation_elements)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def model_config(model_path: str, config_file: str | None = None) -> tuple[dict[
                      f"({', '.join(KNOWN)}): pass --model-config PATH/TO/config.json")
 
 
-def memory_plan(r: Recipe, config: dict[str, Any], source: str, gpu_gb: float) -> dict[str, Any]:
+def memory_plan(r: Recipe, config: dict[str, Any], source: str, gpu_gb: float, prompt_tokens: int = 512) -> dict[str, Any]:
     shape = lm.shape_of(config)
     tp, pp, dp = learner_layout(r)
     lc = r.learner
@@ -58,14 +60,24 @@ def memory_plan(r: Recipe, config: dict[str, Any], source: str, gpu_gb: float) -
         b |= {"gradients": 0.0, "main_fp32": 0.0, "adam": 0.0}
         b["total"] = b["weights"] + b["reference"]
         notes.append("LoRA: the base is frozen; the adapters' gradients and optimizer state are not counted")
+    seq = prompt_tokens + r.rollout.max_new_tokens
+    # a micro-batch of the longest rows: micro_batch_size of them, or the token cap (a row longer than it goes alone)
+    tokens = max(lc.max_tokens_per_micro_batch, seq) if lc.max_tokens_per_micro_batch else lc.micro_batch_size * seq
+    act = lm.activation_bytes(shape, lc.dtype, tokens, seq, tp, pp)
+    b["model"] = b.pop("total")
+    b |= {"activations": act["activations"], "logprob_chunks": act["logprob_chunks"]}
+    b["total"] = b["model"] + b["activations"] + b["logprob_chunks"]
     total_gb = b["total"] / lm.GB
-    notes.append("activations are not counted: they grow with micro_batch_size x tokens (benchmarks/learner_step.py "
-                 "measures a step)")
+    notes.append(f"activations: a micro-batch of {tokens} tokens (rows of up to {seq}: --prompt-tokens {prompt_tokens} + "
+                 f"rollout.max_new_tokens {r.rollout.max_new_tokens}), {act['per_token'] / 1e6:.2f} MB a token, "
+                 f"{int(act['in_flight'])} micro-batch(es) in flight; no recompute; the CUDA allocator's slack "
+                 "and the runtime (~1-3 GB) come on top")
     return {"recipe": r.run.name, "model": r.model.path, "config_source": source,
             "parameters_b": round(lm.total_parameters(shape) / 1e9, 3), "dtype": lc.dtype,
             "layout": {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "distributed_optimizer": lc.parallel.distributed_optimizer},
             "per_rank_gb": {k: round(v / lm.GB, 2) for k, v in b.items() if k != "parameters"},
             "per_rank_parameters_b": round(b["parameters"] / 1e9, 3), "gpu_gb": gpu_gb,
+            "micro_batch": {"tokens": tokens, "seq": seq, "activation_mb_per_token": round(act["per_token"] / 1e6, 3)},
             "headroom_gb": round(gpu_gb - total_gb, 1), "fits": total_gb < gpu_gb, "notes": notes}
 
 
@@ -78,13 +90,15 @@ def print_memory(out: dict[str, Any]) -> None:
     con.print(f"learner: {out['dtype']}, tp {lay['tp']} x pp {lay['pp']} x dp {lay['dp']}{ep}, distributed optimizer "
               f"{'on' if lay['distributed_optimizer'] else 'off'}: {out['per_rank_parameters_b']}B parameters "
               "on the fullest rank")
-    t = Table(title="per learner rank, before activations (GB)")
-    for k in ("weights", "gradients", "main_fp32", "adam", "reference", "total"):
-        t.add_column(k, justify="right")
-    t.add_row(*(f"{out['per_rank_gb'][k]:.1f}" for k in ("weights", "gradients", "main_fp32", "adam", "reference", "total")))
+    t = Table(title="per learner rank (GB)", caption="grads fp32; main: fp32 copies (bf16 learners); ref: the KL's "
+              "reference model; act: one micro-batch's activations; logits: the log-probs' slabs")
+    cols = {"weights": "weights", "gradients": "grads", "main_fp32": "main", "adam": "adam", "reference": "ref",
+            "activations": "act", "logprob_chunks": "logits", "total": "total"}
+    for label in cols.values():
+        t.add_column(label, justify="right")
+    t.add_row(*(f"{out['per_rank_gb'][k]:.1f}" for k in cols))
     con.print(t)
     verdict = "[green]fits[/green]" if out["fits"] else "[red]does not fit[/red]"
-    con.print(f"{verdict} a {out['gpu_gb']:g} GB GPU: {out['headroom_gb']:.1f} GB left for activations and the "
-              "runtime")
+    con.print(f"{verdict} a {out['gpu_gb']:g} GB GPU: {out['headroom_gb']:.1f} GB left")
     for n in out["notes"]:
         con.print(f"note: {n}")
