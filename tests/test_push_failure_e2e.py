@@ -70,6 +70,7 @@ def test_an_engine_killed_mid_push_fails_it_at_once_with_one_error_and_the_run_g
     warnings = [line for line in log.splitlines() if "weight push of version 1 failed" in line]
     assert len(warnings) == 1, warnings  # one error for the push, not one per engine or rank
     at, buckets = map(int, pattern.search(log).groups())
+    print(f"\n[e2e] push failure: bucket {at} of {buckets}, warned {failed_after:.1f} s after the kill")
     # The engine had taken 2 buckets (it may have taken the 3rd before it died: the frozen driver held
     # its answer); it was to blame, not the engine released after it nor the learner.
     assert 3 <= at < buckets, (at, buckets)
