@@ -127,14 +127,14 @@ class Sender:
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self.source, name)
 
-        def timed(*a: Any) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
             try:
-                return fn(*a)
+                return fn(*a, **kw)
             finally:
                 self.last_s[name] = time.perf_counter() - t
 
-        return types.SimpleNamespace(remote=lambda *a: asyncio.to_thread(timed, *a))
+        return types.SimpleNamespace(remote=lambda *a, **kw: asyncio.to_thread(timed, *a, **kw))
 
 
 def reference_logprobs(model: Any, prompt: list[int], output: list[int]) -> list[float]:

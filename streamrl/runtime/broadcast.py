@@ -201,7 +201,7 @@ class VersionBroadcaster:
         """Export `version` to disk and have the engines load it; returns the path and the engines that failed."""
         path = str(self.weights_dir / f"v{version:06d}")
         if not Path(path, "config.json").exists():
-            await self.learner.export.remote(path, None, False, self.dtype)
+            await self.learner.export.remote(path, dtype=self.dtype)
         clients = self.router.workers if clients is None else clients
         failed = await self._each(clients, lambda c: c.update_weights_from_disk(path, weight_version=version, flush_cache=flush))
         if self.keep_weights:
@@ -215,7 +215,7 @@ class VersionBroadcaster:
         failed: dict[str, BaseException] = {}
         if base_changed:
             path = str(self.weights_dir / "base")
-            await self.learner.export.remote(path, None, True, self.dtype)
+            await self.learner.export.remote(path, base=True, dtype=self.dtype)
             failed = await self._each(self.router.workers, lambda c: c.update_weights_from_disk(path, weight_version=0))
         _, more = await self.push_lora(version)
         return failed | more
@@ -317,7 +317,7 @@ class VersionBroadcaster:
         if self.lora:
             base = self.weights_dir / "base"
             if not (base / "config.json").exists():
-                await self.learner.export.remote(str(base), None, True, self.dtype)
+                await self.learner.export.remote(str(base), base=True, dtype=self.dtype)
             async with SGLangClient(url, keys=self.router.keys) as c:
                 await c.update_weights_from_disk(str(base), weight_version=0)
                 for v in self._adapters:  # what the others hold (each written when it was pushed)
@@ -327,7 +327,7 @@ class VersionBroadcaster:
             return
         path = str(self.weights_dir / f"v{self.version:06d}")
         if not Path(path, "config.json").exists():
-            await self.learner.export.remote(path, None, False, self.dtype)
+            await self.learner.export.remote(path, dtype=self.dtype)
         async with SGLangClient(url, keys=self.router.keys) as c:
             await c.update_weights_from_disk(path, weight_version=self.version)
         self._group_urls = ()  # the weight group must include the new engine
