@@ -52,6 +52,26 @@ def use_reference() -> None:
     MegatronLearner._logp = lambda self, logits, b, t, e=False, model=None: logprobs_and_entropy(logits, b.ids, t, e)
 
 
+def measured_step(learner: MegatronLearner, samples: list[Any], cfg: RLConfig) -> tuple[float, dict[str, Any]]:
+    """One warm-up step (the optimizer's state exists after it), then the measured one: (MB it held at its peak
+    over what was held before it — CUDA: torch.cuda.max_memory_allocated, else the process's VmHWM — , its stats)."""
+    learner.rl_step(samples, cfg)
+    cuda = learner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = rss_bytes("VmRSS")
+        if not reset_peak_rss():
+            raise SystemExit("vocab_memory: /proc/self/clear_refs cannot reset the peak RSS here (Linux >= 4.0 needed)")
+    r = learner.rl_step(samples, cfg)
+    if cuda:
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20, r
+    return (rss_bytes("VmHWM") - before) / 2**20, r
+
+
 def one_side(args: argparse.Namespace) -> dict[str, Any]:
     """In this process: one warm-up step, then the measured one."""
     if args.reference:
@@ -63,13 +83,7 @@ def one_side(args: argparse.Namespace) -> dict[str, Any]:
                                   dtype=args.dtype)
     samples = make_batch(args, args.vocab)
     tokens = sum(len(s.prompt) + len(s.response) for s in samples)
-    cfg = RLConfig()
-    learner.rl_step(samples, cfg)
-    before = rss_bytes("VmRSS")
-    if not reset_peak_rss():
-        raise SystemExit("vocab_memory: /proc/self/clear_refs cannot reset the peak RSS here (Linux >= 4.0 needed)")
-    r = learner.rl_step(samples, cfg)
-    extra = (rss_bytes("VmHWM") - before) / 2**20
+    extra, r = measured_step(learner, samples, RLConfig())
     return {"peak_rss_mb_per_1k_tokens": round(extra / tokens * 1000, 1), "step_peak_extra_mb": round(extra, 1),
             "tokens": tokens, "loss": float(r["loss"]), "grad_norm": float(r["grad_norm"])}
 

@@ -350,7 +350,6 @@ def child_real_vocab(device: str, work: Path, vocab: int, reference: bool) -> di
     from streamrl.connectors.megatron.learner import MegatronLearner, RLConfig, init_single_process
 
     from benchmarks import _vocab_memory
-    from benchmarks._common import reset_peak_rss, rss_bytes
     from benchmarks._learner import make_batch
 
     _need(device)
@@ -361,24 +360,9 @@ def child_real_vocab(device: str, work: Path, vocab: int, reference: bool) -> di
     mg = MegatronLearner(_vocab_memory.build_model_dir(work / "vocab", vocab), lr=1e-6, micro_batch_size=8, dtype=dtype)
     batch = make_batch(Namespace(samples=16, group_size=4, prompt_len=64, response_len=192, longtail=False), vocab)
     tokens = sum(len(s.prompt) + len(s.response) for s in batch)
-    cfg = RLConfig()
-    mg.rl_step(batch, cfg)  # warm-up: the optimizer's state exists before the measured step
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        before = rss_bytes("VmRSS")
-        if not reset_peak_rss():
-            raise RuntimeError("/proc/self/clear_refs cannot reset the peak RSS here")
     t = time.perf_counter()
-    r = mg.rl_step(batch, cfg)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        extra = (torch.cuda.max_memory_allocated() - before) / 2**20
-    else:
-        extra = (rss_bytes("VmHWM") - before) / 2**20
-    return {"vocab": vocab, "dtype": dtype, "tokens": tokens, "step_s": round(time.perf_counter() - t, 3),
+    extra, r = _vocab_memory.measured_step(mg, batch, RLConfig())  # a warm-up step, then the measured one
+    return {"vocab": vocab, "dtype": dtype, "tokens": tokens, "two_steps_s": round(time.perf_counter() - t, 3),
             "peak_extra_mb": round(extra, 1), "peak_mb_per_1k_tokens": round(extra / tokens * 1000, 1),
             "max_memory_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device == "cuda" else None,
             "loss": float(r["loss"]), "grad_norm": float(r["grad_norm"])}

@@ -4,6 +4,7 @@ engine's checked weight load: byte-exact round trips, the bucket plan, clear ref
 from __future__ import annotations
 
 import concurrent.futures as cf
+import pickle
 import time
 
 import pytest
@@ -226,8 +227,6 @@ def test_a_push_cast_to_the_engines_dtype_sends_that_dtype():
 def test_push_failed_survives_pickling():
     """Ray sends the learner's exception to the driver pickled; a PushFailed it cannot rebuild arrives
     as UnserializableException and the bucket is lost (seen in tests/test_push_failure_e2e.py)."""
-    import pickle
-
     e = pickle.loads(pickle.dumps(PushFailed(2, "RuntimeError: Connection reset by peer")))
     assert (e.bucket, e.reason, str(e)) == (2, "RuntimeError: Connection reset by peer",
                                            "bucket 3: RuntimeError: Connection reset by peer")

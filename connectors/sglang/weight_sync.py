@@ -33,7 +33,7 @@ closed by peer"; SGLang answers the update with success false and keeps serving)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -69,6 +69,11 @@ def _dtype(name: str, dt: str) -> torch.dtype:
     if dt not in _DTYPES:
         raise ValueError(f"{name}: unsupported dtype {dt!r} (supported: {', '.join(_DTYPES)})")
     return _DTYPES[dt]
+
+
+def tensor_bytes(name: str, dt: str, shape: list[int]) -> int:
+    """Bytes of an announced tensor (`name` for the error on an unsupported dtype)."""
+    return math.prod(shape) * _dtype(name, dt).itemsize
 
 
 def group_store(store: Any, group_name: str, backend: str) -> Any:
@@ -133,9 +138,8 @@ def plan_buckets(dtypes: list[str], shapes: list[list[int]], max_bytes: int = BU
     out: list[range] = []
     start, size = 0, 0
     for i, (dt, shape) in enumerate(zip(dtypes, shapes)):
-        item = _dtype(f"tensor {i}", dt).itemsize
-        n = math.prod(shape) * item
-        if i > start and _starts_bucket(size, n, item, max_bytes):
+        n = tensor_bytes(f"tensor {i}", dt, shape)
+        if i > start and _starts_bucket(size, n, _DTYPES[dt].itemsize, max_bytes):
             out.append(range(start, i))
             start, size = i, 0
         size += n
@@ -213,14 +217,14 @@ def unflatten(buf: torch.Tensor, names: list[str], dtypes: list[str], shapes: li
 
 
 def broadcast(group: Any, tensors: Iterable[torch.Tensor], bucketed: bool = False,
-              max_bytes: int = BUCKET_BYTES, on_bucket: Callable[[int, int], None] | None = None) -> None:
+              max_bytes: int = BUCKET_BYTES) -> None:
     """Trainer side: send the tensors to every engine, in the order of the names sent over HTTP,
     as they come (the learner gathers them one at a time): one broadcast each (SGLang's default
     load_format) or, `bucketed`, one per `plan_buckets` bucket (the receivers were sent
     load_format BUCKET_FORMAT). Sender and receivers must agree: gloo aborts the process on a
     size mismatch. An NCCL group sends device memory, gloo host memory: a bucket moves over
-    when it is on the other side. Each bucket has arrived before the next is sent (module doc);
-    `on_bucket(index, bytes)` after each. Raises `PushFailed` naming the bucket that failed."""
+    when it is on the other side. Each bucket has arrived before the next is sent (module doc).
+    Raises `PushFailed` naming the bucket that failed."""
     nccl = isinstance(group, getattr(dist, "ProcessGroupNCCL", ()))
     device = "cuda" if nccl else "cpu"
     parts = buckets(tensors, max_bytes) if bucketed else ([t] for t in tensors)
@@ -232,8 +236,6 @@ def broadcast(group: Any, tensors: Iterable[torch.Tensor], bucketed: bool = Fals
                 torch.cuda.current_stream().synchronize()
         except Exception as e:  # noqa: BLE001 - gloo and NCCL raise RuntimeError subclasses of their own
             raise PushFailed(k, e) from None
-        if on_bucket is not None:
-            on_bucket(k, buf.numel() * buf.element_size())
 
 
 def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -245,7 +247,7 @@ def receive(group: Any, names: list[str], dtypes: list[str], shapes: list[list[i
     device (the engine's), else the GPU when there is one."""
     device = buf.device if buf is not None else "cuda" if torch.cuda.is_available() else "cpu"
     if load_format == BUCKET_FORMAT:
-        total = sum(math.prod(s) * _dtype(n, d).itemsize for n, d, s in zip(names, dtypes, shapes))
+        total = sum(tensor_bytes(n, d, s) for n, d, s in zip(names, dtypes, shapes))
         buf = torch.empty(total, dtype=torch.uint8, device=device) if buf is None else buf.resize_(total)
         views = unflatten(buf, names, dtypes, shapes)  # checks the layout before anything is received
         group.broadcast([buf], _from_rank0()).wait()

@@ -49,7 +49,6 @@ streamrl/runtime/learner.py), so a version is published before the learner train
 from __future__ import annotations
 
 import asyncio
-import math
 import shutil
 import time
 import uuid
@@ -60,7 +59,7 @@ import torch
 
 from streamrl.connectors.sglang.client import ENGINE_FAILURES, EngineError, SGLangClient
 from streamrl.connectors.sglang.router import Router
-from streamrl.connectors.sglang.weight_sync import BUCKET_BYTES, BUCKET_FORMAT, TIMEOUT_S, plan_buckets
+from streamrl.connectors.sglang.weight_sync import BUCKET_BYTES, BUCKET_FORMAT, TIMEOUT_S, plan_buckets, tensor_bytes
 from streamrl.core.lora import adapter_name
 from streamrl.core.types import EnginePaused, EngineResumed, VersionPublished
 from streamrl.core.weight_group import EngineOutcome, blame, weight_group
@@ -152,8 +151,8 @@ class VersionBroadcaster:
         workers = {u: c for u, c in self.router.workers.items() if u in self._joined}
         taken = dict.fromkeys(workers, 0)  # buckets each engine has taken
         failures: dict[str, EngineOutcome] = {}
-        progress = _Progress(self, version, len(parts), [sum(math.prod(s) * _itemsize(d) for s, d in
-                                                            zip(shapes[b.start:b.stop], dtypes[b.start:b.stop])) for b in parts])
+        progress = _Progress(self, version, len(parts), [sum(tensor_bytes(names[i], dtypes[i], shapes[i]) for i in b)
+                                                         for b in parts])
 
         async def engine(u: str, c: Any) -> None:
             k = 0
@@ -331,10 +330,6 @@ class VersionBroadcaster:
         async with SGLangClient(url, keys=self.router.keys) as c:
             await c.update_weights_from_disk(path, weight_version=self.version)
         self._group_urls = ()  # the weight group must include the new engine
-
-
-def _itemsize(dtype: str) -> int:
-    return getattr(torch, dtype).itemsize
 
 
 class _Progress:

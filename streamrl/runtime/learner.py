@@ -162,7 +162,7 @@ class WeightSource:
         engines still waiting in it, finishes the gather (the other ranks are released too) and raises
         `weight_sync.PushFailed` naming the bucket; the next push forms a new group."""
         with self._lock:
-            weights = _cast((t for _, t in self.hf_weights()), dtype)
+            weights = (t for _, t in _cast(self.hf_weights(), dtype))
             failed: weight_sync.PushFailed | None = None
             try:
                 if self.sends:
@@ -177,14 +177,14 @@ class WeightSource:
                 raise failed
 
 
-def _cast(weights: Iterator[Any], dtype: str | None) -> Iterator[Any]:
-    """`weights` (tensors, or (name, tensor) pairs) cast to the torch dtype named `dtype` (None: as they are)."""
+def _cast(weights: Iterator[tuple[str, torch.Tensor]], dtype: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` cast to the torch dtype named `dtype` (None: as they are)."""
     if dtype is None:
         yield from weights
         return
     to = getattr(torch, dtype)
-    for w in weights:
-        yield (w[0], w[1].to(to)) if isinstance(w, tuple) else w.to(to)
+    for name, t in weights:
+        yield name, t.to(to)
 
 
 class LearnerDriver(WeightSource):
