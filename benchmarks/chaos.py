@@ -1,0 +1,410 @@
+"""Chaos trials: random faults in a running run, checked for loss, duplication and staleness after each
+(docs/reliability.md has the fault model and the figures).
+
+    python benchmarks/chaos.py --trials 50 --seed 1 --moe 10          # the issue's 50 (10 of them MoE)
+    python benchmarks/chaos.py --seed 1 --only 17 --keep               # trial 17 of seed 1 again, run kept
+
+Each trial runs the quick-start's task, cut small (no SFT, no evaluation, STEPS steps, a checkpoint every
+CHECKPOINT_EVERY), in one of the three modes (trial i: stream, lockstep, one_step_off in turn), with the
+staleness bound, partial-rollout policy and weight path drawn from the seed; `--moe K` makes the last K
+trials the MoE quick-start's (ep 2, routing replay). Once the run has logged a drawn number of steps, a
+fault drawn from the seed lands on one part: SIGKILL, or SIGSTOP then SIGCONT 1-8 s later, of an engine, a
+rollout worker, a learner rank or the router, or the whole run powered off; one trial in four gets a
+second fault at the same moment. A run that exits non-zero is resumed (`streamrl run --resume`) once.
+
+A trial passes when the run finished, by itself or after one resume (and then only after a clear
+message naming --resume: no traceback), and: every step trained once, in order (metrics.jsonl:
+versions 1..STEPS); the ledger balances (`streamrl pool stats --json`: lost, duplicated, unadmitted,
+in flight and partial 0, consumed = steps x groups); no step and no consumed group past the staleness
+bound; every checkpoint verifies (checksums) and the pool reads as of every step; no process of the run is
+left and its router's port is closed. A failed trial keeps its directory and prints the command that
+runs it again. Progress on stderr, one JSON line per trial on stdout, then the summary (JSON, and a table
+with --table). Exit 1 when a trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import yaml  # noqa: E402
+
+from benchmarks._chaos_faults import Proc, alive, power_off, signal_quietly, stop_for, tree  # noqa: E402
+from benchmarks._common import git_rev, log  # noqa: E402
+
+STEPS, CHECKPOINT_EVERY, GROUPS = 30, 8, 4
+MODES = ("stream", "lockstep", "one_step_off")
+KINDS = ("engine.kill", "engine.stop", "worker.kill", "worker.stop", "learner.kill", "learner.stop",
+         "router.kill", "router.stop", "run.kill")
+RUN_TIMEOUT_S = 300  # one attempt; an undisturbed trial's run takes ~30 s on an idle 2-core machine
+FIND_S = 15  # how long a fault waits for its part to be there (an engine being restarted, say)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # <part>.<kill|stop>, or run.kill (every process at once)
+    at_step: int  # lands once the run has logged this many steps ...
+    delay_s: float  # ... and this much later
+    hold_s: float  # a stop's length
+    pick: int  # which of the part's processes (modulo how many there are)
+
+
+@dataclass(frozen=True)
+class Trial:
+    seed: int
+    index: int
+    mode: str
+    moe: bool
+    max_staleness: int
+    partial_rollout: str
+    weight_sync: str
+    faults: tuple[Fault, ...]
+
+
+def plan(seed: int, index: int, trials: int, moe: int) -> Trial:
+    """Trial `index` of `trials` under `seed`: a pure function of the three (so a failure is rerun
+    exactly with --only)."""
+    rng = random.Random(f"chaos/{seed}/{index}")
+    # The first fault's kind goes round a shuffle of KINDS (every kind once in each len(KINDS) trials: five
+    # trials try five kinds), the rest is drawn.
+    order = random.Random(f"chaos/{seed}/kinds/{index // len(KINDS)}").sample(KINDS, len(KINDS))
+
+    def fault(kind: str, at_step: int | None = None) -> Fault:
+        return Fault(kind, at_step or rng.randint(2, STEPS - 8), round(rng.uniform(0, 1.0), 2),
+                     round(rng.uniform(1, 8), 1), rng.randrange(8))
+
+    faults = [fault(order[index % len(KINDS)])]
+    if rng.random() < 0.25 and faults[0].kind != "run.kill":
+        faults.append(fault(rng.choice([k for k in KINDS if k != "run.kill"]), faults[0].at_step))
+    return Trial(seed, index, MODES[index % len(MODES)], index >= trials - moe, rng.choice((1, 2)),
+                 rng.choice(("abort_resume", "in_place", "restart")), rng.choice(("distributed", "disk")),
+                 tuple(faults))
+
+
+def recipe_for(t: Trial, work: Path) -> dict[str, Any]:
+    """The quick-start's recipe (or the MoE one), cut small; its model and data shared by the trials."""
+    name = "moe_quickstart" if t.moe else "quickstart"
+    r = copy.deepcopy(yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text()))
+    r.pop("sft", None)
+    r["run"] = {"name": f"chaos-{t.index}", "seed": t.seed * 1000 + t.index, "mode": t.mode, "steps": STEPS,
+                "checkpoint_every": CHECKPOINT_EVERY, "keep_checkpoints": 0}
+    r["model"]["path"] = str(work / "models" / name)
+    r["data"] = {**{k: v for k, v in r["data"].items() if not k.startswith("eval")},
+                 "path": str(work / "data" / "train.jsonl")}
+    r["rollout"].update(n_samples=4, groups_per_step=GROUPS)
+    r["staleness"].update(max_staleness=t.max_staleness, partial_rollout=t.partial_rollout)
+    r["engines"]["weight_sync"] = t.weight_sync
+    return r
+
+
+# ---------------------------------------------------------------- one trial
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # each run makes its own local Ray
+        env.pop(k, None)
+    return env
+
+
+class Attempt:
+    """One `streamrl run` (or --resume) of the trial: its process, and every descendant it was seen to have."""
+
+    def __init__(self, args: list[str], logs: Path, seen: list[Proc]) -> None:
+        logs.mkdir(parents=True, exist_ok=True)
+        self.logs, self.seen = logs, seen
+        self.proc = subprocess.Popen([sys.executable, "-m", "streamrl", *args, "--quiet"], cwd=logs.parent,
+                                     env=_env(), stdout=(logs / "stdout").open("wb"),
+                                     stderr=(logs / "stderr").open("wb"), start_new_session=True)
+        self.powered_off = False
+
+    def note(self) -> None:
+        known = {(p.pid, p.start) for p in self.seen}
+        self.seen += [p for p in tree(self.proc.pid) if (p.pid, p.start) not in known]
+
+    def parts(self, role: str) -> list[Proc]:
+        return sorted((p for p in tree(self.proc.pid) if p.role == role), key=lambda p: p.pid)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit code, or None when it did not exit in time (then it is powered off)."""
+        t0 = time.monotonic()
+        while self.proc.poll() is None:
+            self.note()
+            if time.monotonic() - t0 > timeout_s:
+                self.power_off()
+                return None
+            time.sleep(0.5)
+        return self.proc.returncode
+
+    def power_off(self) -> None:
+        self.note()
+        power_off(self.proc.pid, self.seen)
+        self.proc.wait()
+        self.powered_off = True
+
+    def stderr(self) -> str:
+        return (self.logs / "stderr").read_text(errors="replace")
+
+
+def steps_logged(run_dir: Path) -> int:
+    from streamrl.runtime.runlog import read_jsonl
+
+    return len(read_jsonl(run_dir / "metrics.jsonl"))
+
+
+def inject(a: Attempt, faults: tuple[Fault, ...], run_dir: Path) -> list[dict[str, Any]]:
+    """Land each fault when its step comes; returns what landed where (a fault whose moment the run never
+    reached, it having stopped, is reported with landed false)."""
+    done: list[dict[str, Any]] = []
+    for f in sorted(faults, key=lambda f: (f.at_step, f.delay_s)):
+        rec: dict[str, Any] = {**asdict(f), "landed": False}
+        done.append(rec)
+        while a.proc.poll() is None and steps_logged(run_dir) < f.at_step:
+            a.note()
+            time.sleep(0.05)
+        time.sleep(f.delay_s)
+        if a.proc.poll() is not None:
+            continue
+        rec["step"] = steps_logged(run_dir)
+        part, how = f.kind.split(".")
+        if part == "run":
+            a.power_off()
+            rec["landed"] = True
+            continue
+        t0 = time.monotonic()
+        while not (procs := a.parts(part)) and time.monotonic() - t0 < FIND_S and a.proc.poll() is None:
+            time.sleep(0.2)
+        if not procs:
+            rec["missing"] = f"no {part} process found within {FIND_S} s"
+            continue
+        a.note()
+        target = procs[f.pick % len(procs)]
+        rec.update(pid=target.pid, of=len(procs), landed=True)
+        if how == "kill":
+            signal_quietly(target.pid, signal.SIGKILL)
+        else:
+            stop_for(target.pid, f.hold_s)
+    return done
+
+
+def clear_stop(stderr: str) -> str | None:
+    """What is wrong with how a run stopped (None: one clear message that names --resume)."""
+    if "Traceback (most recent call last)" in stderr:
+        return "a traceback on stderr"
+    if "--resume" not in stderr:
+        return "stderr does not say how to resume"
+    return None
+
+
+def run_trial(t: Trial, work: Path) -> dict[str, Any]:
+    tdir = work / f"trial-{t.seed}-{t.index:03d}"
+    shutil.rmtree(tdir, ignore_errors=True)
+    tdir.mkdir(parents=True)
+    recipe = tdir / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(recipe_for(t, work), sort_keys=False))
+    run_dir = tdir / "run"
+    seen: list[Proc] = []
+    problems: list[str] = []
+    t0 = time.monotonic()
+    a = Attempt(["run", str(recipe), "--run-dir", str(run_dir)], tdir / "attempt-0", seen)
+    faults = inject(a, t.faults, run_dir)
+    rc = a.wait(RUN_TIMEOUT_S)
+    codes = [rc]
+    if rc is None:
+        problems.append(f"the run did not end within {RUN_TIMEOUT_S} s of its start")
+    elif rc != 0 and not a.powered_off and (why := clear_stop(a.stderr())):
+        problems.append(f"the run stopped (exit {rc}) unclearly: {why}")
+    if rc != 0:  # one resume, whatever stopped it
+        a = Attempt(["run", "--resume", str(run_dir)], tdir / "attempt-1", seen)
+        rc = a.wait(RUN_TIMEOUT_S)
+        codes.append(rc)
+        if rc != 0:
+            problems.append(f"--resume did not finish the run (exit {rc})")
+    if rc == 0:
+        problems += check_run(run_dir, t)
+    problems += check_gone(seen, run_dir)
+    res = {"seed": t.seed, "trial": t.index, "mode": t.mode, "moe": t.moe, "max_staleness": t.max_staleness,
+           "partial_rollout": t.partial_rollout, "weight_sync": t.weight_sync, "faults": faults,
+           "exit_codes": codes, "resumes": len(codes) - 1, "wall_s": round(time.monotonic() - t0, 1),
+           "passed": not problems, "problems": problems}
+    res.update(ledger_of(run_dir) if rc == 0 else {})
+    if problems:
+        res["rerun"] = f"python benchmarks/chaos.py --seed {t.seed} --trials {ARGS.trials} --moe {ARGS.moe} " \
+                       f"--only {t.index} --keep --out {work}"
+        res["kept"] = str(tdir)
+    elif not ARGS.keep:
+        shutil.rmtree(tdir, ignore_errors=True)
+    return res
+
+
+# ---------------------------------------------------------------- after a trial
+
+
+def _cli_json(args: list[str]) -> tuple[int, Any]:
+    p = subprocess.run([sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, env=_env(),
+                       timeout=300)
+    try:
+        return p.returncode, json.loads(p.stdout)
+    except json.JSONDecodeError:
+        return p.returncode, p.stdout[-500:] + p.stderr[-1500:]
+
+
+_LEDGERS: dict[str, dict[str, Any]] = {}
+
+
+def ledger_of(run_dir: Path) -> dict[str, Any]:
+    return _LEDGERS.get(str(run_dir), {})
+
+
+def check_run(run_dir: Path, t: Trial) -> list[str]:
+    """What is wrong with a finished run (empty: nothing)."""
+    from connectors.megatron.checkpoint import list_checkpoints, verify_checkpoint
+    from streamrl.core.staleness import mode_bound
+    from streamrl.pools import open_pool
+    from streamrl.runtime.runlog import read_jsonl
+
+    problems = []
+    last = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}
+    if sorted(last) != list(range(STEPS)):
+        problems.append(f"steps logged {sorted(set(range(STEPS)) ^ set(last))} missing or extra")
+    if [m["policy_version"] for _, m in sorted(last.items())] != list(range(1, len(last) + 1)):
+        problems.append("policy versions out of order: " + str([m["policy_version"] for _, m in sorted(last.items())]))
+    bound = mode_bound(t.mode, t.max_staleness)
+    if over := [s for s, m in last.items() if m["staleness_max"] > bound]:
+        problems.append(f"steps {over} trained past the staleness bound {bound}")
+    if "differ slightly" in (run_dir / "run.log").read_text(errors="replace"):
+        problems.append("a resumed step's loss differs from the one logged before the stop")
+
+    code, stats = _cli_json(["pool", "stats", str(run_dir), "--json"])
+    if not isinstance(stats, dict):
+        return [*problems, f"pool stats failed (exit {code}): {stats}"]
+    led = stats["ledger"]
+    _LEDGERS[str(run_dir)] = {"lost": led["lost"], "duplicated": led["duplicated"], "consumed": led["consumed"],
+                              "dropped": led.get("dropped")}
+    bad = {k: led[k] for k in ("lost", "duplicated", "unadmitted", "in_flight", "partial") if led[k]}
+    if code != 0 or bad or led["consumed"] != STEPS * GROUPS:
+        problems.append(f"ledger: {bad or ''} consumed {led['consumed']} of {STEPS * GROUPS} (exit {code})")
+
+    pool = open_pool(run_dir)
+    try:
+        rows = pool.scan(["group_id", "status", "min_version", "consumed_version"], where="status = 'consumed'")
+        stale = {r["group_id"] for r in rows.to_pylist()
+                 if r["min_version"] is not None and r["consumed_version"] - r["min_version"] > bound}
+        if stale:
+            problems.append(f"{len(stale)} consumed group(s) past the staleness bound {bound}")
+        for s in range(STEPS):
+            try:
+                pool.as_of(step=s).count()
+            except Exception as e:  # noqa: BLE001 - reported, whatever it is
+                problems.append(f"the pool as of step {s} does not read: {e}")
+                break
+    finally:
+        pool.close()
+    for step, path in list_checkpoints(run_dir / "checkpoints"):
+        try:
+            verify_checkpoint(path)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"checkpoint {path.name} does not verify: {e}")
+    return problems
+
+
+def check_gone(seen: list[Proc], run_dir: Path, grace_s: float = 30) -> list[str]:
+    """Every process the run was seen with has ended, and its router's port is closed."""
+    t0 = time.monotonic()
+    while (left := alive(seen)) and time.monotonic() - t0 < grace_s:
+        time.sleep(0.5)
+    problems = [f"{len(left)} process(es) left behind: " + "; ".join(f"{p.pid} {p.cmd[:80]}" for p in left)] if left else []
+    for p in left:  # the next trial starts clean
+        signal_quietly(p.pid, signal.SIGKILL)
+    try:
+        url = urlparse(json.loads((run_dir / "endpoints.json").read_text())["router_url"])
+        with socket.create_connection((url.hostname, url.port), timeout=1):
+            problems.append(f"the router's port {url.port} still accepts connections")
+    except (OSError, KeyError, ValueError):
+        pass
+    return problems
+
+
+# ---------------------------------------------------------------- the whole benchmark
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    landed = Counter(f["kind"] for r in results for f in r["faults"] if f["landed"])
+    return {
+        "trials": len(results), "passed": sum(r["passed"] for r in results),
+        "faults_landed": sum(landed.values()), "by_kind": dict(sorted(landed.items())),
+        "two_at_once": sum(sum(f["landed"] for f in r["faults"]) == 2 for r in results),
+        "survived_without_resume": sum(r["passed"] and r["resumes"] == 0 for r in results),
+        "survived_with_one_resume": sum(r["passed"] and r["resumes"] == 1 for r in results),
+        "lost": sum(r.get("lost", 0) for r in results), "duplicated": sum(r.get("duplicated", 0) for r in results),
+        "staleness_violations": sum(any("staleness" in p for p in r["problems"]) for r in results),
+        "by_mode": {m: sum(r["mode"] == m for r in results) for m in MODES}, "moe": sum(r["moe"] for r in results),
+        "failed": [{"trial": r["trial"], "problems": r["problems"], "rerun": r.get("rerun")}
+                   for r in results if not r["passed"]],
+        "wall_s": round(sum(r["wall_s"] for r in results), 1), "git_rev": git_rev(),
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| trial | mode | faults (at step) | exits | result |", "|---|---|---|---|---|"]
+    for r in results:
+        fs = ", ".join(f"{f['kind']}@{f.get('step', f['at_step'])}" + ("" if f["landed"] else " (not reached)")
+                       for f in r["faults"])
+        lines.append(f"| {r['trial']}{' moe' if r['moe'] else ''} | {r['mode']} | {fs} | {r['exit_codes']} | "
+                     + ("ok" if r["passed"] else "FAIL: " + "; ".join(r["problems"])) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--trials", type=int, default=50, help="how many trials (default 50)")
+    ap.add_argument("--seed", type=int, default=1, help="draws every trial's faults (default 1)")
+    ap.add_argument("--moe", type=int, default=0, help="the last K trials run the MoE quick-start (default 0)")
+    ap.add_argument("--only", type=int, nargs="*", help="run only these trial indices (as a failure prints)")
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "chaos", help="work directory (default runs/chaos)")
+    ap.add_argument("--keep", action="store_true", help="keep every trial's run directory (failed ones always are)")
+    ap.add_argument("--table", action="store_true", help="also print a markdown table of the trials")
+    ARGS = ap.parse_args(argv)
+    ARGS.out = ARGS.out.resolve()
+    ARGS.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for i in ARGS.only if ARGS.only is not None else range(ARGS.trials):
+        t = plan(ARGS.seed, i, ARGS.trials, ARGS.moe)
+        log(f"trial {i}: {t.mode}{' moe' if t.moe else ''}, " + ", ".join(f"{f.kind} at step {f.at_step}" for f in t.faults))
+        r = run_trial(t, ARGS.out)
+        log(f"trial {i}: {'ok' if r['passed'] else 'FAILED'} in {r['wall_s']} s, exits {r['exit_codes']}"
+            + "".join(f"\n  {p}" for p in r["problems"]) + (f"\n  again: {r['rerun']}" if "rerun" in r else ""))
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    s = summary(results)
+    print(json.dumps(s), flush=True)
+    if ARGS.table:
+        print(table(results))
+    return 0 if s["passed"] == s["trials"] else 1
+
+
+ARGS: argparse.Namespace
+
+if __name__ == "__main__":
+    sys.exit(main())
