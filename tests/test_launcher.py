@@ -300,3 +300,33 @@ def test_launcher_restarts_dead_engine_behind_router(tiny_model: Path, stack: di
     assert not left, f"processes still running after stop: {[(p, _cmdline(p)) for p in left]}"
     timings["total_s"] = time.monotonic() - t0
     print("launcher timings:", {k: round(v, 2) for k, v in timings.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_router_that_dies_comes_back_at_its_address_with_its_engines(tiny_model: Path, stack: dict) -> None:
+    """Chaos trial 3 of seed 1 (benchmarks/chaos.py): the router SIGKILLed mid-run left every rollout worker
+    calling a closed port until the run timed out. The launcher's watcher starts it again at the same URL
+    (the workers and producers keep theirs) and registers the engines it had."""
+    from streamrl.connectors.sglang.launcher import EngineLauncher
+    from streamrl.connectors.sglang.router import Router
+
+    async def scenario() -> None:
+        router = stack["router"] = Router(policy="round_robin", log_dir=stack["log_dir"]).start()
+        launcher = stack["launcher"] = EngineLauncher(tiny_model, 1, router, log_dir=stack["log_dir"],
+                                                      poll_interval_s=0.2, startup_timeout_s=120)
+        [url] = await launcher.start()
+        before, old = router.url, router.proc.pid
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while launcher.router_restarts == 0:
+            assert time.monotonic() < deadline, "the router was not started again within 60 s"
+            await asyncio.sleep(0.2)
+        assert router.url == before and router.proc.pid != old and router.exited() is None
+        assert [w["url"] for w in await router.list_workers()] == [url]
+        r = await router.client.generate(PROMPT, SAMPLING)  # through the router again, at the old URL
+        assert len(r.output_ids) == 4
+        await launcher.stop()
+        await router.close()
+
+    asyncio.run(scenario())

@@ -171,6 +171,7 @@ class EngineLauncher:
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.restarts = 0
+        self.router_restarts = 0
         self.events: list[RestartEvent] = []
         self.failures: list[tuple[int, str]] = []  # (engine index, error) of failed recoveries
         self._watch_task: asyncio.Task[None] | None = None
@@ -285,7 +286,28 @@ class EngineLauncher:
     # ------------------------------------------------------------ watching
 
     async def _watch(self) -> None:
-        await asyncio.gather(*(self._monitor(i) for i in range(len(self.actors))))
+        await asyncio.gather(self._monitor_router(), *(self._monitor(i) for i in range(len(self.actors))))
+
+    async def _monitor_router(self) -> None:
+        """A router that died is started again at its address, with the engines it had: the rollout workers,
+        the producer service and the user keep its URL, and their calls fail only while it is down."""
+        backoff = self.poll_interval_s
+        while not self._stopping and self.router is not None:
+            code = self.router.exited()
+            if code is not None:
+                log.warning("the sglang-router at %s exited (code %s); starting it again there", self.router.url, code)
+                try:
+                    missing = await self.router.revive()
+                except Exception as e:  # noqa: BLE001 - keep watching; retry with backoff
+                    log.error("the sglang-router could not be started again: %r", e)
+                    await asyncio.sleep(backoff)
+                    backoff = min(30.0, backoff * 2)
+                    continue
+                self.router_restarts += 1
+                backoff = self.poll_interval_s
+                log.warning("the sglang-router is up again at %s (restarts=%d)%s", self.router.url,
+                            self.router_restarts, f"; engines not registered again: {missing}" if missing else "")
+            await asyncio.sleep(self.poll_interval_s)
 
     async def _monitor(self, index: int) -> None:
         backoff = self.poll_interval_s

@@ -149,6 +149,21 @@ class Router:
             self._temp_log.unlink(missing_ok=True)
             self._temp_log = None
 
+    def exited(self) -> int | None:
+        """The exit code of a router process that has ended since start(); None while it runs (or before)."""
+        return None if self.proc is None else self.proc.poll()
+
+    async def revive(self, timeout_s: float = 30) -> list[str]:
+        """Start a router whose process ended again, at the same address (every client keeps its URL), and
+        register its workers again; returns those that did not come back (left to whoever watches them).
+        Call it from the thread that called start(): the router's parent-death signal follows that thread."""
+        self._start_at(self.port, timeout_s)
+        workers, self._workers = self._workers, {}
+        for c in workers.values():
+            await c.close()
+        done = await asyncio.gather(*(self.add_worker(u, timeout_s) for u in workers), return_exceptions=True)
+        return [u for u, r in zip(workers, done) if isinstance(r, BaseException)]
+
     async def close(self) -> None:
         await self.client.close()
         for c in self._workers.values():
