@@ -9,7 +9,8 @@ CHECKPOINT_EVERY), in one of the three modes (trial i: stream, lockstep, one_ste
 staleness bound, partial-rollout policy and weight path drawn from the seed; `--moe K` makes the last K
 trials the MoE quick-start's (ep 2, routing replay). Once the run has logged a drawn number of steps, a
 fault drawn from the seed lands on one part: SIGKILL, or SIGSTOP then SIGCONT 1-8 s later, of an engine, a
-rollout worker, a learner rank or the router, or the whole run powered off; one trial in four gets a
+rollout worker, a learner rank or the router, the whole run powered off, or the pool's object store
+answering every write with 503 SlowDown for 1-8 s (benchmarks/_s3_faults.py); one trial in four gets a
 second fault at the same moment. A run that exits non-zero is resumed (`streamrl run --resume`) once.
 
 A trial passes when the run finished, by itself or after one resume (and then only after a clear
@@ -35,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,13 +48,14 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
+from benchmarks._s3 import BUCKET, CREDENTIALS  # noqa: E402
 from benchmarks._chaos_faults import Proc, alive, power_off, signal_quietly, stop_for, tree  # noqa: E402
 from benchmarks._common import git_rev, log  # noqa: E402
 
 STEPS, CHECKPOINT_EVERY, GROUPS = 30, 8, 4
 MODES = ("stream", "lockstep", "one_step_off")
 KINDS = ("engine.kill", "engine.stop", "worker.kill", "worker.stop", "learner.kill", "learner.stop",
-         "router.kill", "router.stop", "run.kill")
+         "router.kill", "router.stop", "run.kill", "storage.fail")
 RUN_TIMEOUT_S = 300  # one attempt; an undisturbed trial's run takes ~30 s on an idle 2-core machine
 FIND_S = 15  # how long a fault waits for its part to be there (an engine being restarted, say)
 
@@ -62,7 +65,7 @@ class Fault:
     kind: str  # <part>.<kill|stop>, or run.kill (every process at once)
     at_step: int  # lands once the run has logged this many steps ...
     delay_s: float  # ... and this much later
-    hold_s: float  # a stop's length
+    hold_s: float  # a stop's length, a storage outage's
     pick: int  # which of the part's processes (modulo how many there are)
 
 
@@ -111,7 +114,24 @@ def recipe_for(t: Trial, work: Path) -> dict[str, Any]:
     r["rollout"].update(n_samples=4, groups_per_step=GROUPS)
     r["staleness"].update(max_staleness=t.max_staleness, partial_rollout=t.partial_rollout)
     r["engines"]["weight_sync"] = t.weight_sync
+    if any(f.kind == "storage.fail" for f in t.faults):  # the pool on S3, behind a proxy that can fail writes
+        r["pool"] = {"uri": f"s3://{BUCKET}/chaos-{t.seed}-{t.index}-{uuid.uuid4().hex[:8]}/pool",
+                     "storage_options": {"aws_endpoint": object_store().url, "allow_http": "true"}}
     return r
+
+
+_STORE: list[Any] = []  # (moto server, its failing proxy), started for the first trial that needs them
+
+
+def object_store() -> Any:
+    if not _STORE:
+        from benchmarks._s3 import start_s3
+        from benchmarks._s3_faults import FaultyS3
+
+        os.environ.update(CREDENTIALS)  # this process reads the pool too (check_run)
+        server = start_s3(ARGS.out / "moto.log")
+        _STORE[:] = [server, FaultyS3(server.url)]
+    return _STORE[1]
 
 
 # ---------------------------------------------------------------- one trial
@@ -123,7 +143,7 @@ def _env() -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # each run makes its own local Ray
         env.pop(k, None)
-    return env
+    return {**env, **CREDENTIALS}  # the S3 pool's (a recipe refuses credentials; the local server takes any)
 
 
 class Attempt:
@@ -186,8 +206,8 @@ def inject(a: Attempt, faults: tuple[Fault, ...], run_dir: Path) -> list[dict[st
             continue
         rec["step"] = steps_logged(run_dir)
         part, how = f.kind.split(".")
-        if part == "run":
-            a.power_off()
+        if part in ("run", "storage"):
+            a.power_off() if part == "run" else object_store().fail_writes(f.hold_s)
             rec["landed"] = True
             continue
         t0 = time.monotonic()
@@ -240,7 +260,10 @@ def run_trial(t: Trial, work: Path) -> dict[str, Any]:
         if rc != 0:
             problems.append(f"--resume did not finish the run (exit {rc})")
     if rc == 0:
-        problems += check_run(run_dir, t)
+        try:
+            problems += check_run(run_dir, t)
+        except Exception as e:  # noqa: BLE001 - a check that cannot read the run is a failed trial, not a stop
+            problems.append(f"the checks could not read the run: {e!r}")
     problems += check_gone(seen, run_dir)
     res = {"seed": t.seed, "trial": t.index, "mode": t.mode, "moe": t.moe, "max_staleness": t.max_staleness,
            "partial_rollout": t.partial_rollout, "weight_sync": t.weight_sync, "faults": faults,
@@ -289,7 +312,8 @@ def check_run(run_dir: Path, t: Trial) -> list[str]:
     if [m["policy_version"] for _, m in sorted(last.items())] != list(range(1, len(last) + 1)):
         problems.append("policy versions out of order: " + str([m["policy_version"] for _, m in sorted(last.items())]))
     bound = mode_bound(t.mode, t.max_staleness)
-    if over := [s for s, m in last.items() if m["staleness_max"] > bound]:
+    # (a step that came back from a checkpoint has no row of its own: the pool's groups below cover it)
+    if over := [s for s, m in last.items() if m.get("staleness_max", 0) > bound]:
         problems.append(f"steps {over} trained past the staleness bound {bound}")
     if "differ slightly" in (run_dir / "run.log").read_text(errors="replace"):
         problems.append("a resumed step's loss differs from the one logged before the stop")
@@ -397,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             + "".join(f"\n  {p}" for p in r["problems"]) + (f"\n  again: {r['rerun']}" if "rerun" in r else ""))
         print(json.dumps(r), flush=True)
         results.append(r)
+    for x in _STORE:
+        x.close() if hasattr(x, "close") else x.stop()
     s = summary(results)
     print(json.dumps(s), flush=True)
     if ARGS.table:

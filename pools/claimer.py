@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from streamrl.core import staleness
 from streamrl.core.claims import READY_COLUMNS, ReadySet, claim_columns, not_whole
 from streamrl.core.types import Batch, ConsumptionPolicy, SampleGroup
-from streamrl.pools.committer import retry_conflicts
+from streamrl.pools.committer import outlast_store, retry_conflicts
 from streamrl.pools.reads import by_row_id
 from streamrl.pools.schema import POOL_SCHEMA, claims_to_table, table_to_groups
 
@@ -148,8 +148,17 @@ class Claimer:
             self._claims_ds = self._open("claims")
         # A claims table from before time travel lacks its columns: its claims are stored without them.
         table = table.select([c for c in table.column_names if c in self._claims_ds.schema.names])
-        try:
+        stamp = table["claimed_ns"][0].as_py()
+
+        def insert(again: bool) -> None:
+            if again:  # the store refused it: it may have landed all the same
+                self._claims_ds = self._open("claims")
+                if self._claims_ds.count_rows(filter=f"claimed_ns = {stamp}"):
+                    return
             retry_conflicts(lambda: self._claims_ds.insert(table))
+
+        try:
+            outlast_store(insert, "claim")
         except BaseException:
             self.ready = None  # not committed: read the truth again at the next claim
             raise

@@ -13,6 +13,7 @@ once rather than through LanceDB's event-loop thread as well.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import queue
 import threading
 import time
@@ -28,7 +29,15 @@ from streamrl.pools.errors import PoolError
 from streamrl.pools.reads import quote
 from streamrl.pools.wal import WriteAheadLog, dead_logs, read_segment
 
+log = logging.getLogger(__name__)
+
 _CONFLICT_RETRIES = 20
+# How long a write waits out a store that refuses it for a while (S3 throttling or an outage, a full disk)
+# before it fails: Lance's own retries give up after ~2.5 s (measured against S3's 503 SlowDown).
+STORE_RETRY_S = 120.0
+_TRANSIENT = ("SlowDown", "ServiceUnavailable", "Service Unavailable", "InternalError", "503 ", "500 Internal",
+              "Connection refused", "Connection reset", "connection closed", "timed out", "error sending request",
+              "No space left on device", "Broken pipe")
 WAL_LINGER_S = 0.05  # how long the committer of a logged pool waits to fill a commit
 HURRY = object()  # queued by sync(): commit what is there now
 
@@ -43,6 +52,32 @@ def retry_conflicts(fn: Callable[[], Any]) -> Any:
                 raise
             time.sleep(0.005 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+def transient(e: BaseException) -> bool:
+    """A store error that may pass when the write is tried again (throttled, briefly down, full)."""
+    text = str(e)
+    return "onflict" not in text and any(m in text for m in _TRANSIENT)
+
+
+def outlast_store(write: Callable[[bool], Any], what: str, budget_s: float | None = None) -> Any:
+    """`write(False)`, then `write(True)` after each transient store error, for up to `budget_s`
+    (STORE_RETRY_S). A write the store refused may still have landed (the error came after the commit), so
+    `write(True)` must not repeat what is already there."""
+    budget = STORE_RETRY_S if budget_s is None else budget_s
+    t0, delay, again = time.monotonic(), 0.2, False
+    while True:
+        try:
+            return write(again)
+        except Exception as e:  # noqa: BLE001 - told apart by transient()
+            waited = time.monotonic() - t0
+            if not transient(e) or waited > budget:
+                raise
+            if not again:
+                log.warning("the experience pool's store refused a %s (%s); trying again for up to %.0f s",
+                            what, str(e).splitlines()[0][:200], budget)
+            time.sleep(delay)
+            delay, again = min(5.0, delay * 2), True
 
 
 class Item:
@@ -205,8 +240,9 @@ class Committer:
                 concurrent = len(batch) > 1
             error: BaseException | None = None
             try:
-                with self._flushing:
-                    self._flush(batch, self._ds)
+                with self._flushing:  # tried again as a replay: what landed before an error is not repeated
+                    outlast_store(lambda again: self._flush(batch, self._fresh() if again else self._ds, replay=again),
+                                  "write of the pool's rows")
             except Exception as e:  # noqa: BLE001 - every waiting caller sees the failure
                 error = e
             self._settle(batch, error)
@@ -234,6 +270,11 @@ class Committer:
                         self._wal.remove(seg)
                         del self._in_segment[seg]
             self._lock.notify_all()
+
+    def _fresh(self) -> dict[str, Any]:
+        """The tables opened again (after a failed write, their handles may not know what landed)."""
+        self._ds.clear()
+        return self._ds
 
     def _table(self, name: str, ds: dict[str, Any]) -> Any:
         if name not in ds:

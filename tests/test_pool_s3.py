@@ -117,3 +117,31 @@ def test_a_recipe_refuses_credentials_in_storage_options(key: str) -> None:
     msg = str(ei.value)
     assert f"pool.storage_options.{key}" in msg and "environment" in msg and key.upper() in msg, msg
     assert "r.yaml:" in msg
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["refused", "done-then-refused"])
+def test_writes_and_claims_outlast_an_object_store_that_fails_for_seconds(s3_server, after: bool) -> None:
+    """Chaos trial 0 of seed 7 (benchmarks/chaos.py): S3 answering 503 SlowDown to every write for 2.8 s
+    failed the learner's claim (Lance gives up after ~2.5 s) and the run stopped with a traceback. Writes and
+    claims now wait the outage out; one the store did but answered with an error (`after`) lands once."""
+    from benchmarks._s3_faults import FaultyS3
+
+    proxy = FaultyS3(s3_server.url)
+    try:
+        uri = s3_server.new_uri()
+        options = {"aws_endpoint": proxy.url, "allow_http": "true"}
+        groups = [make_group(f"o{i}", n=2, versions=(0, 1)) for i in range(6)]
+        with LancePool(uri, storage_options=options, compact_every=0) as pool:
+            pool.append(groups[:2], admit=True)
+            proxy.fail_writes(4.0, after=after)
+            pool.append(groups[2:], admit=True)  # waits the outage out
+            proxy.fail_writes(4.0, after=after)
+            b = pool.claim(step=0, learner_version=1, num_groups=4, max_staleness=4)
+            assert b is not None and len(b.groups) == 4
+            assert proxy.refused > 0
+        with LancePool(uri, create=False, storage_options=options) as pool:
+            led = pool.ledger()
+            assert led.balanced and led.consumed == 4 and led.lost == 0 and led.duplicated == 0, led
+            assert pool.count() == 12 and pool.claims().num_rows == 4, (pool.count(), pool.claims().num_rows)
+    finally:
+        proxy.close()
