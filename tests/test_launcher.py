@@ -316,7 +316,7 @@ def test_a_router_that_dies_comes_back_at_its_address_with_its_engines(tiny_mode
         launcher = stack["launcher"] = EngineLauncher(tiny_model, 1, router, log_dir=stack["log_dir"],
                                                       poll_interval_s=0.2, startup_timeout_s=120)
         [url] = await launcher.start()
-        before, old = router.url, router.proc.pid
+        before, old, direct = router.url, router.proc.pid, router.workers
         os.kill(old, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while launcher.router_restarts == 0:
@@ -324,6 +324,9 @@ def test_a_router_that_dies_comes_back_at_its_address_with_its_engines(tiny_mode
             await asyncio.sleep(0.2)
         assert router.url == before and router.proc.pid != old and router.exited() is None
         assert [w["url"] for w in await router.list_workers()] == [url]
+        # Chaos trial 4 of seed 2: the direct clients (weight pushes, pauses) were replaced while the router came
+        # back, and a push in that window reached no engine; they are the ones it had, throughout.
+        assert router.workers == direct and router.workers[url] is direct[url]
         r = await router.client.generate(PROMPT, SAMPLING)  # through the router again, at the old URL
         assert len(r.output_ids) == 4
         await launcher.stop()

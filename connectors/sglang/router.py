@@ -158,11 +158,11 @@ class Router:
         register its workers again; returns those that did not come back (left to whoever watches them).
         Call it from the thread that called start(): the router's parent-death signal follows that thread."""
         self._start_at(self.port, timeout_s)
-        workers, self._workers = self._workers, {}
-        for c in workers.values():
-            await c.close()
-        done = await asyncio.gather(*(self.add_worker(u, timeout_s) for u in workers), return_exceptions=True)
-        return [u for u, r in zip(workers, done) if isinstance(r, BaseException)]
+        # The direct clients stay as they are: weight pushes and other control calls go to the engines
+        # themselves, before, during and after the router's absence.
+        urls = list(self._workers)
+        done = await asyncio.gather(*(self._register(u, timeout_s) for u in urls), return_exceptions=True)
+        return [u for u, r in zip(urls, done) if isinstance(r, BaseException)]
 
     async def close(self) -> None:
         await self.client.close()
@@ -179,6 +179,10 @@ class Router:
 
     async def add_worker(self, url: str, timeout_s: float = 60) -> None:
         """Register a worker and wait until the router lists it as healthy."""
+        await self._register(url, timeout_s)
+        self._workers[url] = SGLangClient(url, connect_retries=1, keys=self.keys)  # a dead engine fails fast
+
+    async def _register(self, url: str, timeout_s: float) -> None:
         async with SGLangClient(url, keys=self.keys) as probe:
             await probe.wait_healthy(timeout_s)
         await self.client.json("POST", "/workers", {"url": url})
@@ -187,7 +191,6 @@ class Router:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"router did not register {url} within {timeout_s}s")
             await asyncio.sleep(0.1)
-        self._workers[url] = SGLangClient(url, connect_retries=1, keys=self.keys)  # a dead engine fails fast
 
     async def remove_worker(self, url: str, timeout_s: float = 10) -> None:
         """Deregister a worker and wait until the router no longer lists it (the router's

@@ -187,7 +187,8 @@ class VersionBroadcaster:
         # The engines answer at once when the push went through or was dropped; one that does not
         # is hung (a stopped process, an engine stuck in its receive).
         wait_s = RELEASE_S if learner else self.timeout_s
-        _, pending = await asyncio.wait(tasks.values(), timeout=wait_s)
+        # (no engine at all: every one is being restarted, and each gets the current weights when it is up)
+        _, pending = await asyncio.wait(tasks.values(), timeout=wait_s) if tasks else (set(), set())
         for t in pending:
             t.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
