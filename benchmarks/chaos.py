@@ -26,7 +26,9 @@ with --table). Exit 1 when a trial failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import json
 import os
 import random
@@ -283,12 +285,17 @@ def run_trial(t: Trial, work: Path) -> dict[str, Any]:
 
 
 def _cli_json(args: list[str]) -> tuple[int, Any]:
-    p = subprocess.run([sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, env=_env(),
-                       timeout=300)
+    """`streamrl ARGS` (a --json command) run by the CLI's own main in this process: what a user types,
+    without a process's start-up per trial."""
+    from streamrl.tools.cli import main as cli_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(args)
     try:
-        return p.returncode, json.loads(p.stdout)
+        return code, json.loads(out.getvalue())
     except json.JSONDecodeError:
-        return p.returncode, p.stdout[-500:] + p.stderr[-1500:]
+        return code, out.getvalue()[-500:] + err.getvalue()[-1500:]
 
 
 _LEDGERS: dict[str, dict[str, Any]] = {}
