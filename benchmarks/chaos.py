@@ -8,7 +8,8 @@ Each trial runs the quick-start's task, cut small (no SFT, no evaluation, STEPS 
 CHECKPOINT_EVERY), in one of the three modes (trial i: stream, lockstep, one_step_off in turn), with the
 staleness bound, partial-rollout policy and weight path drawn from the seed; `--moe K` makes the last K
 trials the MoE quick-start's (ep 2, routing replay). Once the run has logged a drawn number of steps, a
-fault drawn from the seed lands on one part: SIGKILL, or SIGSTOP then SIGCONT 1-8 s later, of an engine, a
+fault drawn from the seed lands on one part (for four faults in ten of the kinds that can, in the
+middle of that step's weight push instead: the run frozen there while it lands): SIGKILL, or SIGSTOP then SIGCONT 1-8 s later, of an engine, a
 rollout worker, a learner rank or the router, the whole run powered off, or the pool's object store
 answering every write with 503 SlowDown for 1-8 s (benchmarks/_s3_faults.py); one trial in four gets a
 second fault at the same moment. A run that exits non-zero is resumed (`streamrl run --resume`) once.
@@ -53,12 +54,18 @@ import yaml  # noqa: E402
 from benchmarks._s3 import BUCKET, CREDENTIALS  # noqa: E402
 from benchmarks._chaos_faults import Proc, alive, power_off, signal_quietly, stop_for, tree  # noqa: E402
 from benchmarks._common import git_rev, log  # noqa: E402
+from streamrl.runtime import faultpoint  # noqa: E402
 
 STEPS, CHECKPOINT_EVERY, GROUPS = 30, 8, 4
 MODES = ("stream", "lockstep", "one_step_off")
 KINDS = ("engine.kill", "engine.stop", "worker.kill", "worker.stop", "learner.kill", "learner.stop",
          "router.kill", "router.stop", "run.kill", "storage.fail")
 RUN_TIMEOUT_S = 300  # one attempt; an undisturbed trial's run takes ~30 s on an idle 2-core machine
+# Faults that may land in the middle of a weight push: the run freezes there (streamrl/runtime/faultpoint.py),
+# the fault lands, the run goes on. Distributed pushes go in PUSH_BUCKET_MB buckets (the tiny model's 0.53 MB
+# in ~6), and the freeze is after the 3rd bucket of the push; a disk push freezes with the engines paused.
+DURING_PUSH = ("engine.kill", "engine.stop", "learner.kill", "learner.stop", "worker.kill", "router.kill", "run.kill")
+PUSH_BUCKET_MB, BUCKETS_PER_PUSH = 0.1, 6
 FIND_S = 15  # how long a fault waits for its part to be there (an engine being restarted, say)
 
 
@@ -69,6 +76,7 @@ class Fault:
     delay_s: float  # ... and this much later
     hold_s: float  # a stop's length, a storage outage's
     pick: int  # which of the part's processes (modulo how many there are)
+    during: str = ""  # "push": at that step's weight push instead, the run frozen there while it lands
 
 
 @dataclass(frozen=True)
@@ -96,8 +104,11 @@ def plan(seed: int, index: int, trials: int, moe: int) -> Trial:
                      round(rng.uniform(1, 8), 1), rng.randrange(8))
 
     faults = [fault(order[index % len(KINDS)])]
+    if faults[0].kind in DURING_PUSH and rng.random() < 0.4:
+        faults[0] = Fault(**{**asdict(faults[0]), "during": "push"})
     if rng.random() < 0.25 and faults[0].kind != "run.kill":
-        faults.append(fault(rng.choice([k for k in KINDS if k != "run.kill"]), faults[0].at_step))
+        second = fault(rng.choice([k for k in KINDS if k != "run.kill"]), faults[0].at_step)
+        faults.append(Fault(**{**asdict(second), "during": faults[0].during}))
     return Trial(seed, index, MODES[index % len(MODES)], index >= trials - moe, rng.choice((1, 2)),
                  rng.choice(("abort_resume", "in_place", "restart")), rng.choice(("distributed", "disk")),
                  tuple(faults))
@@ -116,6 +127,8 @@ def recipe_for(t: Trial, work: Path) -> dict[str, Any]:
     r["rollout"].update(n_samples=4, groups_per_step=GROUPS)
     r["staleness"].update(max_staleness=t.max_staleness, partial_rollout=t.partial_rollout)
     r["engines"]["weight_sync"] = t.weight_sync
+    if t.faults[0].during and t.weight_sync == "distributed":
+        r["engines"]["push_bucket_mb"] = PUSH_BUCKET_MB
     if any(f.kind == "storage.fail" for f in t.faults):  # the pool on S3, behind a proxy that can fail writes
         r["pool"] = {"uri": f"s3://{BUCKET}/chaos-{t.seed}-{t.index}-{uuid.uuid4().hex[:8]}/pool",
                      "storage_options": {"aws_endpoint": object_store().url, "allow_http": "true"}}
@@ -151,11 +164,11 @@ def _env() -> dict[str, str]:
 class Attempt:
     """One `streamrl run` (or --resume) of the trial: its process, and every descendant it was seen to have."""
 
-    def __init__(self, args: list[str], logs: Path, seen: list[Proc]) -> None:
+    def __init__(self, args: list[str], logs: Path, seen: list[Proc], env: dict[str, str] | None = None) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         self.logs, self.seen = logs, seen
         self.proc = subprocess.Popen([sys.executable, "-m", "streamrl", *args, "--quiet"], cwd=logs.parent,
-                                     env=_env(), stdout=(logs / "stdout").open("wb"),
+                                     env={**_env(), **(env or {})}, stdout=(logs / "stdout").open("wb"),
                                      stderr=(logs / "stderr").open("wb"), start_new_session=True)
         self.powered_off = False
 
@@ -197,16 +210,19 @@ def inject(a: Attempt, faults: tuple[Fault, ...], run_dir: Path) -> list[dict[st
     """Land each fault when its step comes; returns what landed where (a fault whose moment the run never
     reached, it having stopped, is reported with landed false)."""
     done: list[dict[str, Any]] = []
+    frozen = run_dir / faultpoint.FROZEN
     for f in sorted(faults, key=lambda f: (f.at_step, f.delay_s)):
         rec: dict[str, Any] = {**asdict(f), "landed": False}
         done.append(rec)
-        while a.proc.poll() is None and steps_logged(run_dir) < f.at_step:
+        while a.proc.poll() is None and not (frozen.exists() if f.during else steps_logged(run_dir) >= f.at_step):
             a.note()
             time.sleep(0.05)
-        time.sleep(f.delay_s)
+        time.sleep(0 if f.during else f.delay_s)
         if a.proc.poll() is not None:
             continue
         rec["step"] = steps_logged(run_dir)
+        if f.during:
+            rec["frozen_at"] = frozen.read_text().split(" pid")[0]
         part, how = f.kind.split(".")
         if part in ("run", "storage"):
             a.power_off() if part == "run" else object_store().fail_writes(f.hold_s)
@@ -225,7 +241,19 @@ def inject(a: Attempt, faults: tuple[Fault, ...], run_dir: Path) -> list[dict[st
             signal_quietly(target.pid, signal.SIGKILL)
         else:
             stop_for(target.pid, f.hold_s)
+    if frozen.exists() and a.proc.poll() is None:  # the run goes on from the moment the faults landed
+        (run_dir / faultpoint.THAW).write_text("")
     return done
+
+
+def freeze_at(t: Trial) -> dict[str, str]:
+    """The run's environment for a fault in a weight push: where it freezes (once) for the fault to land."""
+    f = t.faults[0]
+    if not f.during:
+        return {}
+    if t.weight_sync == "distributed":  # after the 3rd of the push's ~6 buckets
+        return {faultpoint.ENV: f"push_bucket:{BUCKETS_PER_PUSH * (f.at_step - 1) + 3}:once"}
+    return {faultpoint.ENV: f"publish:{f.at_step}:once"}  # engines paused, the new weights not yet loaded
 
 
 def clear_stop(stderr: str) -> str | None:
@@ -247,7 +275,7 @@ def run_trial(t: Trial, work: Path) -> dict[str, Any]:
     seen: list[Proc] = []
     problems: list[str] = []
     t0 = time.monotonic()
-    a = Attempt(["run", str(recipe), "--run-dir", str(run_dir)], tdir / "attempt-0", seen)
+    a = Attempt(["run", str(recipe), "--run-dir", str(run_dir)], tdir / "attempt-0", seen, freeze_at(t))
     faults = inject(a, t.faults, run_dir)
     rc = a.wait(RUN_TIMEOUT_S)
     codes = [rc]
@@ -396,9 +424,20 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| trial | mode | faults (at step) | exits | result |", "|---|---|---|---|---|"]
+    """Per fault kind (a trial with two faults counts under both), then per trial."""
+    kinds: dict[str, Counter[str]] = {}
     for r in results:
-        fs = ", ".join(f"{f['kind']}@{f.get('step', f['at_step'])}" + ("" if f["landed"] else " (not reached)")
+        for f in r["faults"]:
+            if f["landed"]:
+                c = kinds.setdefault(f["kind"], Counter())
+                c["trials"] += 1
+                c["passed" if r["passed"] else "failed"] += 1
+                c["resumed"] += r["passed"] and r["resumes"] == 1
+    lines = ["| fault | trials | passed | of them after one --resume | failed |", "|---|---|---|---|---|"]
+    lines += [f"| {k} | {c['trials']} | {c['passed']} | {c['resumed']} | {c['failed']} |" for k, c in sorted(kinds.items())]
+    lines += ["", "| trial | mode | faults (at step) | exits | result |", "|---|---|---|---|---|"]
+    for r in results:
+        fs = ", ".join(f"{f['kind']}@{f.get('frozen_at') or f.get('step', f['at_step'])}" + ("" if f["landed"] else " (not reached)")
                        for f in r["faults"])
         lines.append(f"| {r['trial']}{' moe' if r['moe'] else ''} | {r['mode']} | {fs} | {r['exit_codes']} | "
                      + ("ok" if r["passed"] else "FAIL: " + "; ".join(r["problems"])) + " |")
@@ -422,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i in ARGS.only if ARGS.only is not None else range(ARGS.trials):
         t = plan(ARGS.seed, i, ARGS.trials, ARGS.moe)
-        log(f"trial {i}: {t.mode}{' moe' if t.moe else ''}, " + ", ".join(f"{f.kind} at step {f.at_step}" for f in t.faults))
+        log(f"trial {i}: {t.mode}{' moe' if t.moe else ''}, " + ", ".join(f"{f.kind} at step {f.at_step}{' (in its weight push)' if f.during else ''}" for f in t.faults))
         r = run_trial(t, ARGS.out)
         log(f"trial {i}: {'ok' if r['passed'] else 'FAILED'} in {r['wall_s']} s, exits {r['exit_codes']}"
             + "".join(f"\n  {p}" for p in r["problems"]) + (f"\n  again: {r['rerun']}" if "rerun" in r else ""))

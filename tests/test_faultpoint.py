@@ -59,3 +59,22 @@ def test_the_nth_arrival_freezes_until_thawed_and_the_next_freezes_again(tmp_pat
     thaw.write_text("")
     t.join(10)
     assert arrivals == [2, 3] and not frozen.exists() and not thaw.exists()
+
+
+def test_once_freezes_the_nth_arrival_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(faultpoint.ENV, "push_bucket:2:once")
+    frozen, thaw = tmp_path / faultpoint.FROZEN, tmp_path / faultpoint.THAW
+    arrivals: list[int] = []
+
+    def push() -> None:
+        for n in (1, 2, 3, 4):
+            faultpoint.reached("push_bucket", tmp_path)
+            arrivals.append(n)
+
+    t = threading.Thread(target=push, daemon=True)
+    t.start()
+    assert _wait(frozen.exists) and frozen.read_text().startswith("push_bucket:2 pid ")
+    assert arrivals == [1]
+    thaw.write_text("")
+    t.join(10)
+    assert arrivals == [1, 2, 3, 4] and not frozen.exists()  # the 3rd and 4th went on without a thaw

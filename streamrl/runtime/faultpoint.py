@@ -2,6 +2,8 @@
 the n-th time write `RUN_DIR/frozen_at` and stop there, so a test can SIGKILL the whole run at exactly
 that moment (mid-broadcast, mid-checkpoint). Unset, as it always is outside tests, `reached` returns at once.
 
+`<point>:<n>:once` freezes there the n-th time only (the chaos trials: one moment, then the run goes on).
+
 A test that finds nothing to test at that moment (e.g. no request in flight at a publish: generation
 happened to finish first) writes `RUN_DIR/thaw`: the process goes on and freezes again the next time it
 reaches the point, so the test waits for a moment that has what it needs instead of failing by timing.
@@ -27,11 +29,12 @@ def reached(point: str, run_dir: str | Path) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    name, _, nth = spec.partition(":")
+    name, _, rest = spec.partition(":")
     if name != point:
         return
+    nth, _, once = rest.partition(":")
     _seen[point] += 1
-    if _seen[point] < int(nth or 1):
+    if _seen[point] < int(nth or 1) or (once == "once" and _seen[point] > int(nth or 1)):
         return
     frozen, thaw = Path(run_dir, FROZEN), Path(run_dir, THAW)
     tmp = frozen.with_name(f".{FROZEN}.{os.getpid()}")
