@@ -1,7 +1,8 @@
 """The chaos trials (benchmarks/chaos.py, docs/reliability.md): the draw of the faults, the checks that
 judge a trial (each shown to fail on a run that breaks it), and the five-trial form with a fixed seed
-that `make test` runs: a rollout worker stopped for seconds, the whole run powered off and resumed, the
-router killed, the pool's object store refusing writes while an engine is killed, a worker killed."""
+that `make test` runs: a rollout worker stopped for seconds, the whole run powered off in a weight push
+and resumed, the router killed, the pool's object store refusing writes while an engine is killed, a
+rollout worker killed in a weight push."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from benchmarks import chaos
 from benchmarks._chaos_faults import Proc, alive, tree
 
 REPO = Path(__file__).resolve().parent.parent
-SEED = 1  # its five trials: worker.stop, run.kill, router.kill, storage.fail + engine.kill, worker.kill
+SEED = 1  # its five trials: worker.stop, run.kill (in a weight push), router.kill, storage.fail + engine.kill,
+#           worker.kill (in a weight push)
 
 
 def test_the_draw_is_the_seeds_and_goes_round_every_kind() -> None:
@@ -30,10 +32,15 @@ def test_the_draw_is_the_seeds_and_goes_round_every_kind() -> None:
     assert [t.mode for t in trials[:3]] == list(chaos.MODES) and [t.moe for t in trials] == [False] * 16 + [True] * 4
     for t in trials:
         assert all(2 <= f.at_step <= chaos.STEPS - 8 and 1 <= f.hold_s <= 8 for f in t.faults)
+        assert all(f.during in ("", "push") and (not f.during or f.kind in chaos.DURING_PUSH) for f in t.faults)
         if len(t.faults) == 2:  # at once, and never a power-off beside another fault
             assert t.faults[1].at_step == t.faults[0].at_step and "run.kill" not in {f.kind for f in t.faults}
     many = [chaos.plan(5, i, 200, 0) for i in range(200)]
     assert 30 <= sum(len(t.faults) == 2 for t in many) <= 70  # one trial in four
+    assert 35 <= sum(t.faults[0].during == "push" for t in many) <= 80  # 0.4 of the 0.7 that can
+    pushed = next(t for t in many if t.faults[0].during and t.weight_sync == "distributed")
+    assert chaos.freeze_at(pushed)["STREAMRL_FREEZE_AT"].startswith("push_bucket:")
+    assert chaos.recipe_for(pushed, Path("/w"))["engines"]["push_bucket_mb"] == chaos.PUSH_BUCKET_MB
 
 
 def test_the_process_checks_see_a_process_left_behind(tmp_path: Path) -> None:
