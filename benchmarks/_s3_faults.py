@@ -34,7 +34,8 @@ class FaultyS3:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="faulty-s3")
         self._thread.start()
-        self.port = start_on_free_port(lambda port: asyncio.run_coroutine_threadsafe(self._start(port), self.loop).result(30))
+        self.port = start_on_free_port(
+            lambda port: asyncio.run_coroutine_threadsafe(self._start(port), self.loop).result(30))
 
     @property
     def url(self) -> str:

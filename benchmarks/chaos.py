@@ -1,7 +1,7 @@
 """Chaos trials: random faults in a running run, checked for loss, duplication and staleness after each
 (docs/reliability.md has the fault model and the figures).
 
-    python benchmarks/chaos.py --trials 50 --seed 1 --moe 10          # the issue's 50 (10 of them MoE)
+    python benchmarks/chaos.py --trials 50 --seed 1 --moe 10 --jobs 2   # 50 trials (10 of them MoE), two at once
     python benchmarks/chaos.py --seed 1 --only 17 --keep               # trial 17 of seed 1 again, run kept
 
 Each trial runs the quick-start's task, cut small (no SFT, no evaluation, STEPS steps, a checkpoint every
@@ -9,10 +9,10 @@ CHECKPOINT_EVERY), in one of the three modes (trial i: stream, lockstep, one_ste
 staleness bound, partial-rollout policy and weight path drawn from the seed; `--moe K` makes the last K
 trials the MoE quick-start's (ep 2, routing replay). Once the run has logged a drawn number of steps, a
 fault drawn from the seed lands on one part (for four faults in ten of the kinds that can, in the
-middle of that step's weight push instead: the run frozen there while it lands): SIGKILL, or SIGSTOP then SIGCONT 1-8 s later, of an engine, a
-rollout worker, a learner rank or the router, the whole run powered off, or the pool's object store
-answering every write with 503 SlowDown for 1-8 s (benchmarks/_s3_faults.py); one trial in four gets a
-second fault at the same moment. A run that exits non-zero is resumed (`streamrl run --resume`) once.
+middle of that step's weight push instead: the run frozen there while it lands): SIGKILL, or SIGSTOP
+then SIGCONT 1-8 s later, of an engine, a rollout worker, a learner rank or the router, the whole run
+powered off, or the pool's object store answering every write with 503 SlowDown for 1-8 s
+(benchmarks/_s3_faults.py); one trial in four gets a second fault at the same moment. A run that exits non-zero is resumed (`streamrl run --resume`) once.
 
 A trial passes when the run finished, by itself or after one resume (and then only after a clear
 message naming --resume: no traceback), and: every step trained once, in order (metrics.jsonl:
@@ -38,9 +38,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,7 @@ from benchmarks._chaos_faults import Proc, alive, power_off, signal_quietly, sto
 from benchmarks._common import git_rev, log  # noqa: E402
 from streamrl.runtime import faultpoint  # noqa: E402
 
-STEPS, CHECKPOINT_EVERY, GROUPS = 30, 8, 4
+STEPS, CHECKPOINT_EVERY, GROUPS = 24, 6, 4
 MODES = ("stream", "lockstep", "one_step_off")
 KINDS = ("engine.kill", "engine.stop", "worker.kill", "worker.stop", "learner.kill", "learner.stop",
          "router.kill", "router.stop", "run.kill", "storage.fail")
@@ -131,22 +133,26 @@ def recipe_for(t: Trial, work: Path) -> dict[str, Any]:
         r["engines"]["push_bucket_mb"] = PUSH_BUCKET_MB
     if any(f.kind == "storage.fail" for f in t.faults):  # the pool on S3, behind a proxy that can fail writes
         r["pool"] = {"uri": f"s3://{BUCKET}/chaos-{t.seed}-{t.index}-{uuid.uuid4().hex[:8]}/pool",
-                     "storage_options": {"aws_endpoint": object_store().url, "allow_http": "true"}}
+                     "storage_options": {"aws_endpoint": object_store(t).url, "allow_http": "true"}}
     return r
 
 
-_STORE: list[Any] = []  # (moto server, its failing proxy), started for the first trial that needs them
+_S3: list[Any] = []  # the local S3 server, started for the first trial that needs it
+_PROXIES: dict[tuple[int, int], Any] = {}  # a trial's own failing proxy in front of it
+_LOCK = threading.Lock()
 
 
-def object_store() -> Any:
-    if not _STORE:
-        from benchmarks._s3 import start_s3
-        from benchmarks._s3_faults import FaultyS3
+def object_store(t: Trial) -> Any:
+    from benchmarks._s3 import start_s3
+    from benchmarks._s3_faults import FaultyS3
 
-        os.environ.update(CREDENTIALS)  # this process reads the pool too (check_run)
-        server = start_s3(ARGS.out / "moto.log")
-        _STORE[:] = [server, FaultyS3(server.url)]
-    return _STORE[1]
+    with _LOCK:
+        if not _S3:
+            os.environ.update(CREDENTIALS)  # this process reads the pool too (check_run)
+            _S3.append(start_s3(ARGS.out / "moto.log"))
+        if (t.seed, t.index) not in _PROXIES:
+            _PROXIES[t.seed, t.index] = FaultyS3(_S3[0].url)
+        return _PROXIES[t.seed, t.index]
 
 
 # ---------------------------------------------------------------- one trial
@@ -206,12 +212,12 @@ def steps_logged(run_dir: Path) -> int:
     return len(read_jsonl(run_dir / "metrics.jsonl"))
 
 
-def inject(a: Attempt, faults: tuple[Fault, ...], run_dir: Path) -> list[dict[str, Any]]:
+def inject(a: Attempt, t: Trial, run_dir: Path) -> list[dict[str, Any]]:
     """Land each fault when its step comes; returns what landed where (a fault whose moment the run never
     reached, it having stopped, is reported with landed false)."""
     done: list[dict[str, Any]] = []
     frozen = run_dir / faultpoint.FROZEN
-    for f in sorted(faults, key=lambda f: (f.at_step, f.delay_s)):
+    for f in sorted(t.faults, key=lambda f: (f.at_step, f.delay_s)):
         rec: dict[str, Any] = {**asdict(f), "landed": False}
         done.append(rec)
         while a.proc.poll() is None and not (frozen.exists() if f.during else steps_logged(run_dir) >= f.at_step):
@@ -225,7 +231,7 @@ def inject(a: Attempt, faults: tuple[Fault, ...], run_dir: Path) -> list[dict[st
             rec["frozen_at"] = frozen.read_text().split(" pid")[0]
         part, how = f.kind.split(".")
         if part in ("run", "storage"):
-            a.power_off() if part == "run" else object_store().fail_writes(f.hold_s)
+            a.power_off() if part == "run" else object_store(t).fail_writes(f.hold_s)
             rec["landed"] = True
             continue
         t0 = time.monotonic()
@@ -276,7 +282,7 @@ def run_trial(t: Trial, work: Path) -> dict[str, Any]:
     problems: list[str] = []
     t0 = time.monotonic()
     a = Attempt(["run", str(recipe), "--run-dir", str(run_dir)], tdir / "attempt-0", seen, freeze_at(t))
-    faults = inject(a, t.faults, run_dir)
+    faults = inject(a, t, run_dir)
     rc = a.wait(RUN_TIMEOUT_S)
     codes = [rc]
     if rc is None:
@@ -289,15 +295,18 @@ def run_trial(t: Trial, work: Path) -> dict[str, Any]:
         codes.append(rc)
         if rc != 0:
             problems.append(f"--resume did not finish the run (exit {rc})")
+    t_runs = time.monotonic() - t0
     if rc == 0:
         try:
             problems += check_run(run_dir, t)
         except Exception as e:  # noqa: BLE001 - a check that cannot read the run is a failed trial, not a stop
             problems.append(f"the checks could not read the run: {e!r}")
+    t_checks = time.monotonic() - t0 - t_runs
     problems += check_gone(seen, run_dir)
     res = {"seed": t.seed, "trial": t.index, "mode": t.mode, "moe": t.moe, "max_staleness": t.max_staleness,
            "partial_rollout": t.partial_rollout, "weight_sync": t.weight_sync, "faults": faults,
            "exit_codes": codes, "resumes": len(codes) - 1, "wall_s": round(time.monotonic() - t0, 1),
+           "runs_s": round(t_runs, 1), "checks_s": round(t_checks, 1),
            "passed": not problems, "problems": problems}
     res.update(ledger_of(run_dir) if rc == 0 else {})
     if problems:
@@ -318,7 +327,7 @@ def _cli_json(args: list[str]) -> tuple[int, Any]:
     from streamrl.tools.cli import main as cli_main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with _LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):  # sys.stdout is the process's
         code = cli_main(args)
     try:
         return code, json.loads(out.getvalue())
@@ -391,7 +400,8 @@ def check_gone(seen: list[Proc], run_dir: Path, grace_s: float = 30) -> list[str
     t0 = time.monotonic()
     while (left := alive(seen)) and time.monotonic() - t0 < grace_s:
         time.sleep(0.5)
-    problems = [f"{len(left)} process(es) left behind: " + "; ".join(f"{p.pid} {p.cmd[:80]}" for p in left)] if left else []
+    problems = [f"{len(left)} process(es) left behind: " + "; ".join(f"{p.pid} {p.cmd[:80]}" for p in left)
+                ] if left else []
     for p in left:  # the next trial starts clean
         signal_quietly(p.pid, signal.SIGKILL)
     try:
@@ -434,10 +444,12 @@ def table(results: list[dict[str, Any]]) -> str:
                 c["passed" if r["passed"] else "failed"] += 1
                 c["resumed"] += r["passed"] and r["resumes"] == 1
     lines = ["| fault | trials | passed | of them after one --resume | failed |", "|---|---|---|---|---|"]
-    lines += [f"| {k} | {c['trials']} | {c['passed']} | {c['resumed']} | {c['failed']} |" for k, c in sorted(kinds.items())]
+    lines += [f"| {k} | {c['trials']} | {c['passed']} | {c['resumed']} | {c['failed']} |"
+              for k, c in sorted(kinds.items())]
     lines += ["", "| trial | mode | faults (at step) | exits | result |", "|---|---|---|---|---|"]
     for r in results:
-        fs = ", ".join(f"{f['kind']}@{f.get('frozen_at') or f.get('step', f['at_step'])}" + ("" if f["landed"] else " (not reached)")
+        fs = ", ".join(f"{f['kind']}@{f.get('frozen_at') or f.get('step', f['at_step'])}"
+                       + ("" if f["landed"] else " (not reached)")
                        for f in r["faults"])
         lines.append(f"| {r['trial']}{' moe' if r['moe'] else ''} | {r['mode']} | {fs} | {r['exit_codes']} | "
                      + ("ok" if r["passed"] else "FAIL: " + "; ".join(r["problems"])) + " |")
@@ -455,20 +467,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "chaos", help="work directory (default runs/chaos)")
     ap.add_argument("--keep", action="store_true", help="keep every trial's run directory (failed ones always are)")
     ap.add_argument("--table", action="store_true", help="also print a markdown table of the trials")
+    ap.add_argument("--jobs", type=int, default=1, help="trials run at once (default 1; each is a whole run)")
     ARGS = ap.parse_args(argv)
     ARGS.out = ARGS.out.resolve()
     ARGS.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for i in ARGS.only if ARGS.only is not None else range(ARGS.trials):
+
+    def one(i: int) -> dict[str, Any]:
         t = plan(ARGS.seed, i, ARGS.trials, ARGS.moe)
-        log(f"trial {i}: {t.mode}{' moe' if t.moe else ''}, " + ", ".join(f"{f.kind} at step {f.at_step}{' (in its weight push)' if f.during else ''}" for f in t.faults))
-        r = run_trial(t, ARGS.out)
+        log(f"trial {i}: {t.mode}{' moe' if t.moe else ''}, " + ", ".join(
+            f"{f.kind} at step {f.at_step}{' (in its weight push)' if f.during else ''}" for f in t.faults))
+        try:
+            r = run_trial(t, ARGS.out)
+        finally:
+            if (proxy := _PROXIES.pop((t.seed, t.index), None)) is not None:
+                proxy.close()
         log(f"trial {i}: {'ok' if r['passed'] else 'FAILED'} in {r['wall_s']} s, exits {r['exit_codes']}"
             + "".join(f"\n  {p}" for p in r["problems"]) + (f"\n  again: {r['rerun']}" if "rerun" in r else ""))
         print(json.dumps(r), flush=True)
-        results.append(r)
-    for x in _STORE:
-        x.close() if hasattr(x, "close") else x.stop()
+        return r
+
+    with ThreadPoolExecutor(ARGS.jobs) as pool:  # trials are processes of their own: threads only wait on them
+        results = sorted(pool.map(one, ARGS.only if ARGS.only is not None else range(ARGS.trials)),
+                         key=lambda r: r["trial"])
+    for server in _S3:
+        server.stop()
     s = summary(results)
     print(json.dumps(s), flush=True)
     if ARGS.table:

@@ -62,8 +62,8 @@ def test_the_process_checks_see_a_process_left_behind(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_five_chaos_trials_lose_nothing(tmp_path: Path) -> None:
     out = tmp_path / "chaos"
-    p = subprocess.run([sys.executable, "benchmarks/chaos.py", "--trials", "5", "--seed", str(SEED), "--keep",
-                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=840)
+    p = subprocess.run([sys.executable, "benchmarks/chaos.py", "--trials", "5", "--seed", str(SEED), "--jobs", "2",
+                        "--keep", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=840)
     lines = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     *trials, s = lines
     assert p.returncode == 0, json.dumps(s.get("failed"), indent=1) + p.stderr[-3000:]
