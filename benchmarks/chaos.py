@@ -27,15 +27,12 @@ with --table). Exit 1 when a trial failed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import io
 import json
 import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,7 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -54,8 +50,10 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from benchmarks._s3 import BUCKET, CREDENTIALS  # noqa: E402
-from benchmarks._chaos_faults import Proc, alive, power_off, signal_quietly, stop_for, tree  # noqa: E402
+from benchmarks._chaos_checks import check_gone, check_run, clear_stop  # noqa: E402
+from benchmarks._chaos_faults import Proc, power_off, signal_quietly, stop_for, tree  # noqa: E402
 from benchmarks._common import git_rev, log  # noqa: E402
+from streamrl.core.staleness import mode_bound  # noqa: E402
 from streamrl.runtime import faultpoint  # noqa: E402
 
 STEPS, CHECKPOINT_EVERY, GROUPS = 24, 6, 4
@@ -262,15 +260,6 @@ def freeze_at(t: Trial) -> dict[str, str]:
     return {faultpoint.ENV: f"publish:{f.at_step}:once"}  # engines paused, the new weights not yet loaded
 
 
-def clear_stop(stderr: str) -> str | None:
-    """What is wrong with how a run stopped (None: one clear message that names --resume)."""
-    if "Traceback (most recent call last)" in stderr:
-        return "a traceback on stderr"
-    if "--resume" not in stderr:
-        return "stderr does not say how to resume"
-    return None
-
-
 def run_trial(t: Trial, work: Path) -> dict[str, Any]:
     tdir = work / f"trial-{t.seed}-{t.index:03d}"
     shutil.rmtree(tdir, ignore_errors=True)
@@ -296,9 +285,11 @@ def run_trial(t: Trial, work: Path) -> dict[str, Any]:
         if rc != 0:
             problems.append(f"--resume did not finish the run (exit {rc})")
     t_runs = time.monotonic() - t0
+    ledger: dict[str, Any] = {}
     if rc == 0:
         try:
-            problems += check_run(run_dir, t)
+            found, ledger = check_run(run_dir, mode_bound(t.mode, t.max_staleness), STEPS, GROUPS)
+            problems += found
         except Exception as e:  # noqa: BLE001 - a check that cannot read the run is a failed trial, not a stop
             problems.append(f"the checks could not read the run: {e!r}")
     t_checks = time.monotonic() - t0 - t_runs
@@ -308,7 +299,7 @@ def run_trial(t: Trial, work: Path) -> dict[str, Any]:
            "exit_codes": codes, "resumes": len(codes) - 1, "wall_s": round(time.monotonic() - t0, 1),
            "runs_s": round(t_runs, 1), "checks_s": round(t_checks, 1),
            "passed": not problems, "problems": problems}
-    res.update(ledger_of(run_dir) if rc == 0 else {})
+    res.update(ledger)
     if problems:
         res["rerun"] = f"python benchmarks/chaos.py --seed {t.seed} --trials {ARGS.trials} --moe {ARGS.moe} " \
                        f"--only {t.index} --keep --out {work}"
@@ -316,101 +307,6 @@ def run_trial(t: Trial, work: Path) -> dict[str, Any]:
     elif not ARGS.keep:
         shutil.rmtree(tdir, ignore_errors=True)
     return res
-
-
-# ---------------------------------------------------------------- after a trial
-
-
-def _cli_json(args: list[str]) -> tuple[int, Any]:
-    """`streamrl ARGS` (a --json command) run by the CLI's own main in this process: what a user types,
-    without a process's start-up per trial."""
-    from streamrl.tools.cli import main as cli_main
-
-    out, err = io.StringIO(), io.StringIO()
-    with _LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):  # sys.stdout is the process's
-        code = cli_main(args)
-    try:
-        return code, json.loads(out.getvalue())
-    except json.JSONDecodeError:
-        return code, out.getvalue()[-500:] + err.getvalue()[-1500:]
-
-
-_LEDGERS: dict[str, dict[str, Any]] = {}
-
-
-def ledger_of(run_dir: Path) -> dict[str, Any]:
-    return _LEDGERS.get(str(run_dir), {})
-
-
-def check_run(run_dir: Path, t: Trial) -> list[str]:
-    """What is wrong with a finished run (empty: nothing)."""
-    from connectors.megatron.checkpoint import list_checkpoints, verify_checkpoint
-    from streamrl.core.staleness import mode_bound
-    from streamrl.pools import open_pool
-    from streamrl.runtime.runlog import read_jsonl
-
-    problems = []
-    last = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}
-    if sorted(last) != list(range(STEPS)):
-        problems.append(f"steps logged {sorted(set(range(STEPS)) ^ set(last))} missing or extra")
-    if [m["policy_version"] for _, m in sorted(last.items())] != list(range(1, len(last) + 1)):
-        problems.append("policy versions out of order: " + str([m["policy_version"] for _, m in sorted(last.items())]))
-    bound = mode_bound(t.mode, t.max_staleness)
-    # (a step that came back from a checkpoint has no row of its own: the pool's groups below cover it)
-    if over := [s for s, m in last.items() if m.get("staleness_max", 0) > bound]:
-        problems.append(f"steps {over} trained past the staleness bound {bound}")
-    if "differ slightly" in (run_dir / "run.log").read_text(errors="replace"):
-        problems.append("a resumed step's loss differs from the one logged before the stop")
-
-    code, stats = _cli_json(["pool", "stats", str(run_dir), "--json"])
-    if not isinstance(stats, dict):
-        return [*problems, f"pool stats failed (exit {code}): {stats}"]
-    led = stats["ledger"]
-    _LEDGERS[str(run_dir)] = {"lost": led["lost"], "duplicated": led["duplicated"], "consumed": led["consumed"],
-                              "dropped": led.get("dropped")}
-    bad = {k: led[k] for k in ("lost", "duplicated", "unadmitted", "in_flight", "partial") if led[k]}
-    if code != 0 or bad or led["consumed"] != STEPS * GROUPS:
-        problems.append(f"ledger: {bad or ''} consumed {led['consumed']} of {STEPS * GROUPS} (exit {code})")
-
-    pool = open_pool(run_dir)
-    try:
-        rows = pool.scan(["group_id", "status", "min_version", "consumed_version"], where="status = 'consumed'")
-        stale = {r["group_id"] for r in rows.to_pylist()
-                 if r["min_version"] is not None and r["consumed_version"] - r["min_version"] > bound}
-        if stale:
-            problems.append(f"{len(stale)} consumed group(s) past the staleness bound {bound}")
-        for s in range(STEPS):
-            try:
-                pool.as_of(step=s).count()
-            except Exception as e:  # noqa: BLE001 - reported, whatever it is
-                problems.append(f"the pool as of step {s} does not read: {e}")
-                break
-    finally:
-        pool.close()
-    for step, path in list_checkpoints(run_dir / "checkpoints"):
-        try:
-            verify_checkpoint(path)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"checkpoint {path.name} does not verify: {e}")
-    return problems
-
-
-def check_gone(seen: list[Proc], run_dir: Path, grace_s: float = 30) -> list[str]:
-    """Every process the run was seen with has ended, and its router's port is closed."""
-    t0 = time.monotonic()
-    while (left := alive(seen)) and time.monotonic() - t0 < grace_s:
-        time.sleep(0.5)
-    problems = [f"{len(left)} process(es) left behind: " + "; ".join(f"{p.pid} {p.cmd[:80]}" for p in left)
-                ] if left else []
-    for p in left:  # the next trial starts clean
-        signal_quietly(p.pid, signal.SIGKILL)
-    try:
-        url = urlparse(json.loads((run_dir / "endpoints.json").read_text())["router_url"])
-        with socket.create_connection((url.hostname, url.port), timeout=1):
-            problems.append(f"the router's port {url.port} still accepts connections")
-    except (OSError, KeyError, ValueError):
-        pass
-    return problems
 
 
 # ---------------------------------------------------------------- the whole benchmark

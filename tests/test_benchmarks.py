@@ -282,6 +282,9 @@ SMOKES: dict[str, Smoke] = {
 # Their smoke forms run in this process instead: the argument parser on tiny flags and the reports
 # they build from a run directory (test_report_only_benchmarks below).
 REPORT_ONLY = ("off_policy", "background_eval", "time_to_accuracy", "length_schedule")
+# Benchmarks whose short form is a test file of its own (chaos.py: five whole trials, with its checks
+# shown to fail on a doctored run), which runs them with their helper modules.
+OWN_TESTS = {"chaos": ("tests/test_chaos.py", ("_chaos_checks", "_chaos_faults", "_s3_faults"))}
 
 
 def benchmark_modules() -> dict[str, Path]:
@@ -291,11 +294,13 @@ def benchmark_modules() -> dict[str, Path]:
 def test_every_benchmark_has_a_smoke_form() -> None:
     """Every benchmark module (the _helpers run inside them) has a smoke form, a script its own."""
     covered = set(SMOKES) | set(REPORT_ONLY) | {m for s in SMOKES.values() for m in s.covers}
+    covered |= set(OWN_TESTS) | {m for _, helpers in OWN_TESTS.values() for m in helpers}
+    assert all((REPO / test).exists() for test, _ in OWN_TESTS.values())
     public = {m: f for m, f in benchmark_modules().items() if not m.startswith("_")}
     missing = sorted(set(public) - covered)
     assert not missing, f"benchmarks without a smoke form in tests/test_benchmarks.py: {missing}"
     scripts = {m for m, f in public.items() if 'if __name__ == "__main__":' in f.read_text()}
-    assert scripts <= set(SMOKES) | set(REPORT_ONLY), "a script needs its own smoke form"
+    assert scripts <= set(SMOKES) | set(REPORT_ONLY) | set(OWN_TESTS), "a script needs its own smoke form"
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if s.slow else [])

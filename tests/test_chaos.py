@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import _chaos_checks as checks
 from benchmarks import chaos
 from benchmarks._chaos_faults import Proc, alive, tree
 
@@ -48,14 +49,14 @@ def test_the_process_checks_see_a_process_left_behind(tmp_path: Path) -> None:
     try:
         [p] = [p for p in tree(os.getpid()) if p.pid == child.pid]
         assert alive([p]) == [p]
-        problems = chaos.check_gone([p], tmp_path, grace_s=0.5)
+        problems = checks.check_gone([p], tmp_path, grace_s=0.5)
         assert problems and str(child.pid) in problems[0]  # reported, then killed for the next trial
         child.wait(10)
         assert alive([p]) == [] and alive([Proc(p.pid, p.start + 1, p.cmd)]) == []  # a reused pid is another
     finally:
         child.kill()
-    assert chaos.clear_stop("Traceback (most recent call last):\n ...") == "a traceback on stderr"
-    assert chaos.clear_stop("streamrl: the run lost ...; `streamrl run --resume R` continues this run") is None
+    assert checks.clear_stop("Traceback (most recent call last):\n ...") == "a traceback on stderr"
+    assert checks.clear_stop("streamrl: the run lost ...; `streamrl run --resume R` continues this run") is None
 
 
 @pytest.mark.slow
@@ -77,14 +78,15 @@ def test_five_chaos_trials_lose_nothing(tmp_path: Path) -> None:
     # checkpoint file changed.
     run_dir = out / f"trial-{SEED}-004" / "run"
     t = chaos.plan(SEED, 4, 5, 0)
-    assert chaos.check_run(run_dir, t) == []
+    args = (chaos.mode_bound(t.mode, t.max_staleness), chaos.STEPS, chaos.GROUPS)
+    assert checks.check_run(run_dir, *args)[0] == []
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
     (run_dir / "metrics.jsonl").write_text("\n".join(metrics[:-1] + [metrics[0]]) + "\n")
-    assert any("steps logged" in q or "versions out of order" in q for q in chaos.check_run(run_dir, t))
+    assert any("steps logged" in q or "versions out of order" in q for q in checks.check_run(run_dir, *args)[0])
     (run_dir / "metrics.jsonl").write_text("\n".join(metrics) + "\n")
     from connectors.megatron.checkpoint import list_checkpoints
 
     _, ck = list_checkpoints(run_dir / "checkpoints")[-1]
     victim = next(f for f in sorted((ck / "sharded").rglob("*")) if f.is_file() and f.stat().st_size)
     victim.write_bytes(b"x" + victim.read_bytes()[1:])
-    assert any("does not verify" in q for q in chaos.check_run(run_dir, t))
+    assert any("does not verify" in q for q in checks.check_run(run_dir, *args)[0])
