@@ -6,14 +6,13 @@ briefly unavailable S3 does; the chaos trials (benchmarks/chaos.py) point a run'
 from __future__ import annotations
 
 import asyncio
-import errno
 import threading
 import time
 
 import aiohttp
 from aiohttp import web
 
-from streamrl.connectors.ports import PortTaken, start_on_free_port
+from streamrl.connectors.ports import listen_socket, port_of
 
 WRITES = frozenset({"PUT", "POST", "DELETE"})
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -31,11 +30,9 @@ class FaultyS3:
         self.failing_until, self.after = 0.0, False
         self.refused = 0  # writes answered 503 so far
         self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="faulty-s3")
         self._thread.start()
-        self.port = start_on_free_port(
-            lambda port: asyncio.run_coroutine_threadsafe(self._start(port), self.loop).result(30))
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
 
     @property
     def url(self) -> str:
@@ -44,21 +41,15 @@ class FaultyS3:
     def fail_writes(self, seconds: float, after: bool = False) -> None:
         self.failing_until, self.after = time.monotonic() + seconds, after
 
-    async def _start(self, port: int) -> int:
+    async def _start(self) -> int:
         self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=300))
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._forward)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        try:
-            await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        except OSError as e:
-            await self.runner.cleanup()
-            await self.session.close()
-            if e.errno == errno.EADDRINUSE:
-                raise PortTaken(str(e)) from None
-            raise
-        return port
+        sock = listen_socket()  # the one way to get a port (connectors/ports.py): bound here, on 127.0.0.1
+        await web.SockSite(self.runner, sock).start()
+        return port_of(sock)
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         failing = request.method in WRITES and time.monotonic() < self.failing_until
